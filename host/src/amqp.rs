@@ -1,0 +1,370 @@
+//! RabbitMQ through lapin: connect, declare, consume, dead-letter, acknowledge.
+//!
+//! Architecture invariant: publishes to the dead-letter or retry queue are confirmed by the
+//! broker before the original delivery is acked, so a rejected message is never lost.
+
+use std::time::SystemTime;
+
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
+
+use crate::config::{PipelineConfig, redact_url};
+use crate::message::InboundMessage;
+
+/// The header carrying how many times a message has been tried.
+pub const ATTEMPT_HEADER: &str = "x-idem-attempt";
+/// The header carrying why a message was dead-lettered.
+pub const REASON_HEADER: &str = "x-idem-reason";
+/// The header carrying the class of the failure (`invalid-input`, `plugin-trap`, `sql`, …).
+pub const ERROR_KIND_HEADER: &str = "x-idem-error-kind";
+/// Longest reason kept in a header, in bytes.
+const REASON_BYTES: usize = 4096;
+/// AMQP persistent delivery mode.
+const PERSISTENT: u8 = 2;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AmqpError {
+    #[error("cannot reach RabbitMQ at {endpoint}: {source}")]
+    Connect {
+        endpoint: String,
+        source: lapin::Error,
+    },
+    #[error("RabbitMQ refused to {action} {queue:?}: {source}")]
+    Topology {
+        action: &'static str,
+        queue: String,
+        source: lapin::Error,
+    },
+    #[error("publish to {queue:?} failed: {reason}")]
+    Publish { queue: String, reason: String },
+    #[error("the consumer on {queue:?} ended: {reason}")]
+    ConsumerLost { queue: String, reason: String },
+}
+
+/// One pipeline's connection to the broker: a channel in confirm mode consuming its queue.
+pub struct Session {
+    connection: Connection,
+    pub channel: Channel,
+    pub consumer: Consumer,
+    consumer_tag: String,
+}
+
+/// A delivery's identity and acker, kept apart from the data the plugin sees.
+pub struct Receipt {
+    pub acker: lapin::acker::Acker,
+    pub delivery_tag: u64,
+    properties: BasicProperties,
+    body: Vec<u8>,
+    /// 1 for a first try, 2 after one retryable failure, …
+    pub attempt: u32,
+}
+
+impl Session {
+    /// Connects, declares the queue and its dead-letter queue, and starts consuming.
+    pub async fn open(amqp_url: &str, pipeline: &PipelineConfig) -> Result<Session, AmqpError> {
+        let properties = ConnectionProperties::default()
+            .with_connection_name(LongString::from(format!("idem {}", pipeline.name)));
+        let connect_error = |source| AmqpError::Connect {
+            endpoint: redact_url(amqp_url),
+            source,
+        };
+        let connection = Connection::connect(amqp_url, properties)
+            .await
+            .map_err(connect_error)?;
+        let channel = connection.create_channel().await.map_err(connect_error)?;
+        let topology = |action, queue: &str| {
+            let queue = queue.to_string();
+            move |source| AmqpError::Topology {
+                action,
+                queue,
+                source,
+            }
+        };
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(topology("enable publisher confirms on", &pipeline.queue))?;
+        channel
+            .basic_qos(pipeline.prefetch.get(), BasicQosOptions::default())
+            .await
+            .map_err(topology("set prefetch on", &pipeline.queue))?;
+        for queue in [&pipeline.queue, &pipeline.dead_letter_queue] {
+            channel
+                .queue_declare(
+                    ShortString::from(queue.as_str()),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(topology("declare", queue))?;
+        }
+        let consumer_tag = format!("idem-{}-{}", pipeline.name, std::process::id());
+        let consumer = channel
+            .basic_consume(
+                ShortString::from(pipeline.queue.as_str()),
+                ShortString::from(consumer_tag.as_str()),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(topology("consume from", &pipeline.queue))?;
+        Ok(Session {
+            connection,
+            channel,
+            consumer,
+            consumer_tag,
+        })
+    }
+
+    /// Stops new deliveries; deliveries already received stay ackable.
+    pub async fn cancel(&self) {
+        if let Err(error) = self
+            .channel
+            .basic_cancel(
+                ShortString::from(self.consumer_tag.as_str()),
+                BasicCancelOptions::default(),
+            )
+            .await
+        {
+            tracing::debug!(%error, "Cancelling the consumer failed; closing the connection anyway.");
+        }
+    }
+
+    /// Closes the connection; unacked deliveries return to their queue.
+    pub async fn close(self) {
+        if let Err(error) = self.connection.close(200, ShortString::from("idem stopping")).await {
+            tracing::debug!(%error, "Closing the RabbitMQ connection failed.");
+        }
+    }
+}
+
+/// Splits a delivery into what the plugin sees and what the host keeps to settle it.
+pub fn receive(pipeline: &str, delivery: lapin::message::Delivery) -> (InboundMessage, Receipt) {
+    let headers: Vec<(String, String)> = delivery
+        .properties
+        .headers()
+        .as_ref()
+        .map(|table| {
+            table
+                .inner()
+                .iter()
+                .map(|(name, value)| (name.as_str().to_string(), header_text(value)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let attempt = header_integer(&delivery.properties, ATTEMPT_HEADER)
+        .and_then(|attempt| u32::try_from(attempt).ok())
+        .unwrap_or(1)
+        .max(1);
+    let message = InboundMessage {
+        pipeline: pipeline.to_string(),
+        body: delivery.data.clone(),
+        headers,
+        routing_key: delivery.routing_key.as_str().to_string(),
+        exchange: delivery.exchange.as_str().to_string(),
+        message_id: delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.as_str().to_string()),
+        redelivered: delivery.redelivered,
+    };
+    let receipt = Receipt {
+        acker: delivery.acker,
+        delivery_tag: delivery.delivery_tag,
+        properties: delivery.properties,
+        body: delivery.data,
+        attempt,
+    };
+    (message, receipt)
+}
+
+impl Receipt {
+    /// Acks the delivery. `false` means the channel it came on is gone: the broker will
+    /// redeliver it, and the claim will make that redelivery a duplicate.
+    pub async fn ack(&self) -> bool {
+        match self.acker.ack(BasicAckOptions::default()).await {
+            Ok(true) => true,
+            Ok(false) => false,
+            Err(error) => {
+                tracing::debug!(%error, delivery_tag = self.delivery_tag, "Ack failed.");
+                false
+            }
+        }
+    }
+
+    /// Returns the delivery to its queue.
+    pub async fn requeue(&self) -> bool {
+        let options = BasicNackOptions {
+            requeue: true,
+            ..BasicNackOptions::default()
+        };
+        matches!(self.acker.nack(options).await, Ok(true))
+    }
+
+    /// Publishes a copy to `dead_letter_queue` with the reason in its headers, waits for the
+    /// broker's confirm, then acks the original.
+    pub async fn dead_letter(
+        &self,
+        channel: &Channel,
+        pipeline: &PipelineConfig,
+        error_kind: &str,
+        reason: &str,
+    ) -> Result<bool, AmqpError> {
+        let mut headers = self.properties.headers().clone().unwrap_or_default();
+        headers.insert(
+            ShortString::from(REASON_HEADER),
+            AMQPValue::LongString(LongString::from(truncate(reason, REASON_BYTES))),
+        );
+        headers.insert(
+            ShortString::from(ERROR_KIND_HEADER),
+            AMQPValue::LongString(LongString::from(error_kind)),
+        );
+        headers.insert(
+            ShortString::from("x-idem-pipeline"),
+            AMQPValue::LongString(LongString::from(pipeline.name.as_str())),
+        );
+        headers.insert(
+            ShortString::from("x-idem-queue"),
+            AMQPValue::LongString(LongString::from(pipeline.queue.as_str())),
+        );
+        headers.insert(
+            ShortString::from("x-idem-rejected-at"),
+            AMQPValue::Timestamp(unix_seconds()),
+        );
+        self.publish_copy(channel, &pipeline.dead_letter_queue, headers)
+            .await?;
+        Ok(self.ack().await)
+    }
+
+    /// Publishes a copy back to the pipeline's queue with `attempt` in its headers, waits for
+    /// the broker's confirm, then acks the original.
+    pub async fn retry(
+        &self,
+        channel: &Channel,
+        queue: &str,
+        attempt: u32,
+    ) -> Result<bool, AmqpError> {
+        let mut headers = self.properties.headers().clone().unwrap_or_default();
+        headers.insert(
+            ShortString::from(ATTEMPT_HEADER),
+            AMQPValue::LongLongInt(i64::from(attempt)),
+        );
+        self.publish_copy(channel, queue, headers).await?;
+        Ok(self.ack().await)
+    }
+
+    async fn publish_copy(
+        &self,
+        channel: &Channel,
+        queue: &str,
+        headers: FieldTable,
+    ) -> Result<(), AmqpError> {
+        let publish_error = |reason: String| AmqpError::Publish {
+            queue: queue.to_string(),
+            reason,
+        };
+        let properties = self
+            .properties
+            .clone()
+            .with_headers(headers)
+            .with_delivery_mode(PERSISTENT);
+        let confirm = channel
+            .basic_publish(
+                ShortString::from(""),
+                ShortString::from(queue),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &self.body,
+                properties,
+            )
+            .await
+            .map_err(|error| publish_error(error.to_string()))?
+            .await
+            .map_err(|error| publish_error(error.to_string()))?;
+        match confirm {
+            lapin::publisher_confirm::Confirmation::Ack(None) => Ok(()),
+            lapin::publisher_confirm::Confirmation::Ack(Some(_returned)) => {
+                Err(publish_error("the queue does not exist (message returned)".into()))
+            }
+            lapin::publisher_confirm::Confirmation::Nack(_) => {
+                Err(publish_error("the broker refused the message".into()))
+            }
+            lapin::publisher_confirm::Confirmation::NotRequested => {
+                Err(publish_error("publisher confirms are off".into()))
+            }
+        }
+    }
+}
+
+fn header_integer(properties: &BasicProperties, name: &str) -> Option<i64> {
+    let value = properties.headers().as_ref()?.inner().get(name)?;
+    match value {
+        AMQPValue::ShortShortInt(integer) => Some(i64::from(*integer)),
+        AMQPValue::ShortShortUInt(integer) => Some(i64::from(*integer)),
+        AMQPValue::ShortInt(integer) => Some(i64::from(*integer)),
+        AMQPValue::ShortUInt(integer) => Some(i64::from(*integer)),
+        AMQPValue::LongInt(integer) => Some(i64::from(*integer)),
+        AMQPValue::LongUInt(integer) => Some(i64::from(*integer)),
+        AMQPValue::LongLongInt(integer) => Some(*integer),
+        AMQPValue::LongString(text) => std::str::from_utf8(text.as_bytes()).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+fn header_text(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(text) => String::from_utf8_lossy(text.as_bytes()).into_owned(),
+        AMQPValue::ShortString(text) => text.as_str().to_string(),
+        AMQPValue::Boolean(flag) => flag.to_string(),
+        AMQPValue::ShortShortInt(integer) => integer.to_string(),
+        AMQPValue::ShortShortUInt(integer) => integer.to_string(),
+        AMQPValue::ShortInt(integer) => integer.to_string(),
+        AMQPValue::ShortUInt(integer) => integer.to_string(),
+        AMQPValue::LongInt(integer) => integer.to_string(),
+        AMQPValue::LongUInt(integer) => integer.to_string(),
+        AMQPValue::LongLongInt(integer) => integer.to_string(),
+        AMQPValue::Float(float) => float.to_string(),
+        AMQPValue::Double(float) => float.to_string(),
+        AMQPValue::Timestamp(seconds) => seconds.to_string(),
+        AMQPValue::Void => String::new(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn truncate(text: &str, max_bytes: usize) -> String {
+    if text.len() <= max_bytes {
+        return text.to_string();
+    }
+    let mut cut = max_bytes;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}…", &text[..cut])
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn truncation_keeps_char_boundaries() {
+        assert_eq!(truncate("short", 10), "short");
+        assert_eq!(truncate("ééé", 3), "é…");
+    }
+}

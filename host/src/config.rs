@@ -1,0 +1,479 @@
+//! `pipelines.toml`: what to consume, which plugin decides, which SQL it may run.
+//!
+//! The file is parsed and validated once, in [`Config::load`].
+//! Every error names the file, the line and the key, and unknown keys are refused.
+//! String values that name endpoints or paths may use `${VAR}` or `${VAR:-default}`.
+
+use std::collections::BTreeMap;
+use std::num::{NonZeroU16, NonZeroU32, NonZeroUsize};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+use toml::Spanned;
+
+/// A loaded and validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The file it was read from.
+    pub path: PathBuf,
+    pub database: DatabaseConfig,
+    pub amqp: AmqpConfig,
+    /// Pipelines by name, in name order.
+    pub pipelines: Vec<PipelineConfig>,
+}
+
+/// The `[database]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// A `postgres://` URL.
+    #[serde(deserialize_with = "interpolated")]
+    pub url: String,
+    /// Upper bound of the connection pool shared by all pipelines.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: NonZeroU32,
+}
+
+/// The `[amqp]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AmqpConfig {
+    /// An `amqp://` URL, vhost included (`%2f` for `/`).
+    #[serde(deserialize_with = "interpolated")]
+    pub url: String,
+}
+
+/// One `[pipelines.<name>]` table: a queue, a plugin and the statements it may use.
+#[derive(Debug, Clone)]
+pub struct PipelineConfig {
+    /// The table name, used in logs, metrics and the plugin's `message.pipeline`.
+    pub name: String,
+    pub queue: String,
+    /// The consumer name written in claims; several consumers may share one ledger.
+    pub consumer: String,
+    /// The plugin component, resolved against the config file's directory.
+    pub plugin: PathBuf,
+    pub claim: ClaimMode,
+    pub prefetch: NonZeroU16,
+    pub workers: NonZeroUsize,
+    /// Where rejected messages go, with the reason in their headers.
+    pub dead_letter_queue: String,
+    /// How many times a message is tried when the plugin says its failure is retryable.
+    pub max_attempts: NonZeroU32,
+    pub limits: PluginLimits,
+    /// Named SQL statements, by name.
+    pub statements: BTreeMap<String, String>,
+}
+
+/// How a message is recognised as already applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClaimMode {
+    /// A row in `processed_messages` keyed by `(consumer, key)`, inserted in the effects' transaction.
+    Ledger,
+}
+
+/// What one plugin call may consume before its message is rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginLimits {
+    /// Wall-clock budget of one call, instantiation included, in milliseconds.
+    #[serde(default = "default_deadline_ms")]
+    pub deadline_ms: NonZeroU32,
+    /// Linear memory a plugin instance may grow to, in MiB.
+    #[serde(default = "default_memory_mib")]
+    pub memory_mib: NonZeroU32,
+    /// Effects one decision may return.
+    #[serde(default = "default_max_effects")]
+    pub max_effects: NonZeroUsize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path:?}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config {path:?}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+impl Config {
+    /// Reads, interpolates and validates `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::from_toml(path, &text)
+    }
+
+    /// Parses `text` as if read from `path`; relative plugin paths resolve against its directory.
+    pub fn from_toml(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid {
+            path: path.to_path_buf(),
+            message,
+        };
+        let file: PipelinesFile = toml::from_str(text).map_err(|error| invalid(error.to_string()))?;
+        let base_dir = path.parent().unwrap_or(Path::new("."));
+        let mut pipelines = Vec::with_capacity(file.pipelines.len());
+        for (name, raw) in file.pipelines {
+            let at = |span: Range<usize>, key: &str, problem: String| {
+                invalid(format!(
+                    "line {}: pipelines.{name}.{key}: {problem}",
+                    line_of(text, span.start)
+                ))
+            };
+            if raw.statements.get_ref().is_empty() {
+                return Err(at(
+                    raw.statements.span(),
+                    "statements",
+                    "a pipeline needs at least one named statement".into(),
+                ));
+            }
+            for (statement_name, sql) in raw.statements.get_ref() {
+                if sql.get_ref().trim().is_empty() {
+                    return Err(at(
+                        sql.span(),
+                        &format!("statements.{statement_name}"),
+                        "statement is empty".into(),
+                    ));
+                }
+            }
+            let queue = raw.queue.get_ref().trim().to_string();
+            if queue.is_empty() || queue.len() > 255 {
+                return Err(at(
+                    raw.queue.span(),
+                    "queue",
+                    "queue name must be 1 to 255 bytes".into(),
+                ));
+            }
+            let dead_letter_queue = raw
+                .dead_letter_queue
+                .unwrap_or_else(|| format!("{queue}.dead-letter"));
+            if dead_letter_queue == queue {
+                return Err(invalid(format!(
+                    "pipelines.{name}.dead_letter_queue: must differ from the queue {queue:?}"
+                )));
+            }
+            pipelines.push(PipelineConfig {
+                consumer: raw.consumer.unwrap_or_else(|| name.clone()),
+                plugin: base_dir.join(raw.plugin),
+                claim: raw.claim,
+                prefetch: raw.prefetch,
+                workers: raw.workers,
+                dead_letter_queue,
+                max_attempts: raw.max_attempts,
+                limits: raw.limits,
+                statements: raw
+                    .statements
+                    .into_inner()
+                    .into_iter()
+                    .map(|(statement_name, sql)| (statement_name, sql.into_inner()))
+                    .collect(),
+                queue,
+                name,
+            });
+        }
+        if pipelines.is_empty() {
+            return Err(invalid(
+                "no pipelines: add a [pipelines.<name>] table".into(),
+            ));
+        }
+        Ok(Config {
+            path: path.to_path_buf(),
+            database: file.database,
+            amqp: file.amqp,
+            pipelines,
+        })
+    }
+
+    /// The pipeline called `name`, if configured.
+    pub fn pipeline(&self, name: &str) -> Option<&PipelineConfig> {
+        self.pipelines.iter().find(|pipeline| pipeline.name == name)
+    }
+}
+
+impl PluginLimits {
+    pub fn deadline(&self) -> Duration {
+        Duration::from_millis(u64::from(self.deadline_ms.get()))
+    }
+
+    pub fn memory_bytes(&self) -> usize {
+        usize::try_from(self.memory_mib.get())
+            .unwrap_or(usize::MAX)
+            .saturating_mul(1024 * 1024)
+    }
+}
+
+impl Default for PluginLimits {
+    fn default() -> Self {
+        PluginLimits {
+            deadline_ms: default_deadline_ms(),
+            memory_mib: default_memory_mib(),
+            max_effects: default_max_effects(),
+        }
+    }
+}
+
+/// The file as written, before defaults that depend on other keys are filled in.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PipelinesFile {
+    database: DatabaseConfig,
+    amqp: AmqpConfig,
+    #[serde(default)]
+    pipelines: BTreeMap<String, RawPipeline>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPipeline {
+    #[serde(deserialize_with = "interpolated_spanned")]
+    queue: Spanned<String>,
+    consumer: Option<String>,
+    #[serde(deserialize_with = "interpolated_path")]
+    plugin: PathBuf,
+    #[serde(default = "default_claim")]
+    claim: ClaimMode,
+    #[serde(default = "default_prefetch")]
+    prefetch: NonZeroU16,
+    #[serde(default = "default_workers")]
+    workers: NonZeroUsize,
+    #[serde(default, deserialize_with = "interpolated_option")]
+    dead_letter_queue: Option<String>,
+    #[serde(default = "default_max_attempts")]
+    max_attempts: NonZeroU32,
+    #[serde(default)]
+    limits: PluginLimits,
+    statements: Spanned<BTreeMap<String, Spanned<String>>>,
+}
+
+fn default_max_connections() -> NonZeroU32 {
+    NonZeroU32::new(16).expect("non-zero literal")
+}
+
+fn default_claim() -> ClaimMode {
+    ClaimMode::Ledger
+}
+
+fn default_prefetch() -> NonZeroU16 {
+    NonZeroU16::new(64).expect("non-zero literal")
+}
+
+fn default_workers() -> NonZeroUsize {
+    NonZeroUsize::new(4).expect("non-zero literal")
+}
+
+fn default_max_attempts() -> NonZeroU32 {
+    NonZeroU32::new(5).expect("non-zero literal")
+}
+
+fn default_deadline_ms() -> NonZeroU32 {
+    NonZeroU32::new(1_000).expect("non-zero literal")
+}
+
+fn default_memory_mib() -> NonZeroU32 {
+    NonZeroU32::new(64).expect("non-zero literal")
+}
+
+fn default_max_effects() -> NonZeroUsize {
+    NonZeroUsize::new(256).expect("non-zero literal")
+}
+
+/// A service URL without its credentials, for logs and errors.
+pub fn redact_url(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+            format!("{scheme}://{host}")
+        }
+        None => url.to_string(),
+    }
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text.get(..offset)
+        .map_or(0, |before| before.matches('\n').count())
+        + 1
+}
+
+fn interpolated<'de, D: Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    let raw = String::deserialize(deserializer)?;
+    expand_env(&raw, |name| std::env::var(name).ok()).map_err(serde::de::Error::custom)
+}
+
+fn interpolated_spanned<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Spanned<String>, D::Error> {
+    let raw = Spanned::<String>::deserialize(deserializer)?;
+    let span = raw.span();
+    let value = expand_env(raw.get_ref(), |name| std::env::var(name).ok())
+        .map_err(serde::de::Error::custom)?;
+    Ok(Spanned::new(span, value))
+}
+
+fn interpolated_option<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<String>, D::Error> {
+    interpolated(deserializer).map(Some)
+}
+
+fn interpolated_path<'de, D: Deserializer<'de>>(deserializer: D) -> Result<PathBuf, D::Error> {
+    interpolated(deserializer).map(PathBuf::from)
+}
+
+/// Replaces `${NAME}` and `${NAME:-default}` with the variable's value.
+/// An unset variable without a default is an error; `$` not followed by `{` is kept.
+fn expand_env(raw: &str, lookup: impl Fn(&str) -> Option<String>) -> Result<String, String> {
+    let mut expanded = String::with_capacity(raw.len());
+    let mut rest = raw;
+    while let Some(start) = rest.find("${") {
+        expanded.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| format!("unclosed \"${{\" in {raw:?}"))?;
+        let expression = &after[..end];
+        let (name, default) = match expression.split_once(":-") {
+            Some((name, default)) => (name, Some(default)),
+            None => (expression, None),
+        };
+        if name.is_empty()
+            || !name
+                .chars()
+                .all(|character| character.is_ascii_alphanumeric() || character == '_')
+        {
+            return Err(format!("invalid variable name {name:?} in {raw:?}"));
+        }
+        match (lookup(name).filter(|value| !value.is_empty()), default) {
+            (Some(value), _) => expanded.push_str(&value),
+            (None, Some(default)) => expanded.push_str(default),
+            (None, None) => {
+                return Err(format!(
+                    "environment variable {name} is not set and has no default (write ${{{name}:-default}})"
+                ));
+            }
+        }
+        rest = &after[end + 1..];
+    }
+    expanded.push_str(rest);
+    Ok(expanded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[track_caller]
+    fn check_redact(url: &str, expected: &str) {
+        assert_eq!(redact_url(url), expected);
+    }
+
+    #[test]
+    fn redaction() {
+        check_redact("amqp://guest:guest@127.0.0.1:5672/%2f", "amqp://127.0.0.1:5672/%2f");
+        check_redact("amqp://127.0.0.1", "amqp://127.0.0.1");
+        check_redact("postgres://u:p@w@host/db", "postgres://host/db");
+        check_redact("not a url", "not a url");
+    }
+
+    #[track_caller]
+    fn check_expand(raw: &str, expected: Result<&str, &str>) {
+        let lookup = |name: &str| match name {
+            "SET" => Some("value".to_string()),
+            "EMPTY" => Some(String::new()),
+            _ => None,
+        };
+        let actual = expand_env(raw, lookup);
+        match expected {
+            Ok(expected) => assert_eq!(actual.as_deref(), Ok(expected)),
+            Err(fragment) => {
+                let error = actual.expect_err("expected an error");
+                assert!(error.contains(fragment), "{error:?} lacks {fragment:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn env_expansion() {
+        check_expand("plain", Ok("plain"));
+        check_expand("${SET}", Ok("value"));
+        check_expand("a-${SET}-b", Ok("a-value-b"));
+        check_expand("${UNSET:-fallback}", Ok("fallback"));
+        check_expand("${EMPTY:-fallback}", Ok("fallback"));
+        check_expand("${SET:-fallback}", Ok("value"));
+        check_expand("${UNSET:-}", Ok(""));
+        check_expand("cost $5", Ok("cost $5"));
+        check_expand("${UNSET}", Err("UNSET is not set"));
+        check_expand("${SET", Err("unclosed"));
+        check_expand("${bad name}", Err("invalid variable name"));
+    }
+
+    const VALID: &str = r#"
+[database]
+url = "postgres://127.0.0.1/db"
+
+[amqp]
+url = "amqp://127.0.0.1"
+
+[pipelines.loyalty]
+queue = "order-completed"
+plugin = "plugins/loyalty.wasm"
+
+[pipelines.loyalty.statements]
+credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
+"#;
+
+    #[track_caller]
+    fn check_error(text: &str, fragments: &[&str]) {
+        let error = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), text)
+            .expect_err("config should be refused")
+            .to_string();
+        assert!(error.contains("/etc/idem/pipelines.toml"), "{error}");
+        for fragment in fragments {
+            assert!(error.contains(fragment), "{error:?} lacks {fragment:?}");
+        }
+    }
+
+    #[test]
+    fn defaults_and_resolution() {
+        let config = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), VALID)
+            .expect("valid config");
+        let pipeline = config.pipeline("loyalty").expect("pipeline loyalty");
+        assert_eq!(pipeline.consumer, "loyalty");
+        assert_eq!(pipeline.dead_letter_queue, "order-completed.dead-letter");
+        assert_eq!(pipeline.plugin, Path::new("/etc/idem/plugins/loyalty.wasm"));
+        assert_eq!(pipeline.claim, ClaimMode::Ledger);
+        assert_eq!(pipeline.limits, PluginLimits::default());
+        assert_eq!(pipeline.statements.len(), 1);
+    }
+
+    #[test]
+    fn errors_name_line_and_key() {
+        check_error(
+            &VALID.replace("queue = ", "queue_name = "),
+            &["line 10", "unknown field `queue_name`"],
+        );
+        check_error(
+            &VALID.replace("plugin = ", "workers = 0\nplugin = "),
+            &["line 11", "workers"],
+        );
+        check_error(
+            &VALID.replace("[pipelines.loyalty]\n", "[pipelines.loyalty]\nclaim = \"redis\"\n"),
+            &["line 10", "claim", "ledger"],
+        );
+        check_error(
+            &VALID.replace("credit = \"UPDATE", "credit = \"  \"\nx = \"UPDATE"),
+            &["line 15", "pipelines.loyalty.statements.credit", "empty"],
+        );
+        check_error(
+            &VALID.replace("\"order-completed\"", "\"${IDEM_TEST_UNSET_QUEUE}\""),
+            &["line 9", "IDEM_TEST_UNSET_QUEUE is not set"],
+        );
+        check_error("[amqp]\nurl = \"x\"\n", &["missing field `database`"]);
+    }
+}

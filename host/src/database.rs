@@ -1,0 +1,94 @@
+//! The Postgres pool: connect with backoff, migrate, check the host's tables exist.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::postgres::PgPoolOptions;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::backoff::Backoff;
+use crate::config::{DatabaseConfig, redact_url};
+
+/// The host's own tables (`processed_messages`), embedded at build time.
+pub static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatabaseError {
+    #[error("cannot reach PostgreSQL at {endpoint}: {source}")]
+    Connect {
+        endpoint: String,
+        source: sqlx::Error,
+    },
+    #[error("migrating {endpoint} failed: {source}")]
+    Migrate {
+        endpoint: String,
+        source: MigrateError,
+    },
+    #[error(
+        "table processed_messages is missing or unreadable at {endpoint} ({source}); run `idem migrate --config <file>` first"
+    )]
+    Schema {
+        endpoint: String,
+        source: sqlx::Error,
+    },
+}
+
+/// Builds the pool, trying once.
+pub async fn connect_once(config: &DatabaseConfig) -> Result<PgPool, DatabaseError> {
+    PgPoolOptions::new()
+        .max_connections(config.max_connections.get())
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&config.url)
+        .await
+        .map_err(|source| DatabaseError::Connect {
+            endpoint: redact_url(&config.url),
+            source,
+        })
+}
+
+/// Builds the pool, retrying with backoff while PostgreSQL is unreachable.
+/// Returns `None` if `shutdown` fires first.
+pub async fn connect(config: &DatabaseConfig, shutdown: &CancellationToken) -> Option<PgPool> {
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+    loop {
+        match connect_once(config).await {
+            Ok(pool) => {
+                info!(endpoint = %redact_url(&config.url), "Connected to PostgreSQL.");
+                return Some(pool);
+            }
+            Err(error) => {
+                let delay = backoff.next_delay();
+                warn!(%error, retry_in_ms = delay.as_millis() as u64, "PostgreSQL unavailable; retrying.");
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = shutdown.cancelled() => return None,
+                }
+            }
+        }
+    }
+}
+
+/// Applies the host's migrations.
+pub async fn migrate(pool: &PgPool, config: &DatabaseConfig) -> Result<(), DatabaseError> {
+    MIGRATOR
+        .run(pool)
+        .await
+        .map_err(|source| DatabaseError::Migrate {
+            endpoint: redact_url(&config.url),
+            source,
+        })
+}
+
+/// Fails unless the claim table exists and is usable.
+pub async fn check_schema(pool: &PgPool, config: &DatabaseConfig) -> Result<(), DatabaseError> {
+    sqlx::query("SELECT consumer, message_key, processed_at FROM processed_messages LIMIT 0")
+        .execute(pool)
+        .await
+        .map(drop)
+        .map_err(|source| DatabaseError::Schema {
+            endpoint: redact_url(&config.url),
+            source,
+        })
+}

@@ -1,0 +1,103 @@
+//! What a plugin decides, as host-side data: no generated types, no SQL.
+
+/// A plugin's verdict on a message it understood.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Claim `key`, then apply the effects in order, all in one transaction.
+    Decision(Decision),
+    /// Not for this consumer: ack with no claim and no effect.
+    Skip { reason: String },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub key: String,
+    pub effects: Vec<Effect>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    /// Run a named statement of the pipeline with these parameters.
+    Exec {
+        statement: String,
+        params: Vec<Value>,
+    },
+}
+
+/// A typed statement parameter, converted to the statement's declared type when bound.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    Null,
+    Boolean(bool),
+    Integer(i64),
+    Float(f64),
+    Text(String),
+    /// JSON document text.
+    Json(String),
+    Bytes(Vec<u8>),
+    /// Microseconds since the Unix epoch, UTC.
+    Timestamp(i64),
+}
+
+/// Why a plugin refused a message, in its own words.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Can never succeed: dead-letter.
+    InvalidInput,
+    /// May succeed later: retry a bounded number of times.
+    Retryable,
+}
+
+impl Value {
+    /// The WIT name of the variant, for error messages.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Value::Null => "null",
+            Value::Boolean(_) => "boolean",
+            Value::Integer(_) => "integer",
+            Value::Float(_) => "float",
+            Value::Text(_) => "text",
+            Value::Json(_) => "json",
+            Value::Bytes(_) => "bytes",
+            Value::Timestamp(_) => "timestamp",
+        }
+    }
+
+    /// Approximate bytes this value carries, for the decision size limit.
+    pub fn size(&self) -> usize {
+        match self {
+            Value::Text(text) | Value::Json(text) => text.len(),
+            Value::Bytes(bytes) => bytes.len(),
+            _ => 8,
+        }
+    }
+}
+
+impl Decision {
+    /// Approximate bytes this decision carries, for the decision size limit.
+    pub fn size(&self) -> usize {
+        self.key.len()
+            + self
+                .effects
+                .iter()
+                .map(|Effect::Exec { statement, params }| {
+                    statement.len() + params.iter().map(Value::size).sum::<usize>()
+                })
+                .sum::<usize>()
+    }
+}
+
+impl FailureKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureKind::InvalidInput => "invalid-input",
+            FailureKind::Retryable => "retryable",
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! idem turns at-least-once message delivery into exactly-once Postgres effects.
+//!
+//! A pipeline consumes one RabbitMQ queue. Each message goes to a sandboxed WebAssembly
+//! plugin that returns an idempotency key and a list of effects (calls of named SQL
+//! statements). The host inserts the claim and runs the effects in one transaction,
+//! commits, and only then acks. A redelivery finds the claim and changes nothing.
+//!
+//! # Layout, in reading order
+//! - [`config`]: `pipelines.toml`, parsed and validated once.
+//! - [`pipeline`]: per pipeline, the consume loop, bounded workers and settling.
+//! - [`process`]: one message start to finish; the only place that picks a disposition.
+//! - [`plugin`]: wasmtime components, a fresh sandbox per message, deadline and memory limits.
+//! - [`statement`]: named statements, prepared at start-up, effects type-checked against them.
+//! - [`ledger`]: the transaction: claim, effects, commit.
+//! - [`amqp`]: lapin: connect, declare, consume, dead-letter, ack.
+//! - [`database`]: the pool, migrations, schema check.
+//! - [`effect`], [`message`]: the data passed between them.
+//! - [`backoff`], [`failpoint`]: retry timing, and crash points for tests.
+
+pub mod amqp;
+pub mod backoff;
+pub mod config;
+pub mod database;
+pub mod effect;
+pub mod failpoint;
+pub mod ledger;
+pub mod message;
+pub mod pipeline;
+pub mod plugin;
+pub mod process;
+pub mod statement;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use crate::config::Config;
+use crate::database::DatabaseError;
+use crate::pipeline::{Pipeline, PipelineError};
+use crate::plugin::{PluginError, PluginRuntime};
+
+/// Why the host could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Database(#[from] DatabaseError),
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
+}
+
+/// Runs every pipeline of `config` until `shutdown` completes, then drains: stops consuming,
+/// lets started messages commit and ack, and closes connections.
+///
+/// Waits for PostgreSQL and RabbitMQ with backoff if they are down. Returns an error only
+/// for problems a restart cannot fix: a missing claim table, a plugin or statement that is
+/// invalid.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
+    let token = CancellationToken::new();
+    let trigger = token.clone();
+    let serving = async {
+        let Some(pool) = database::connect(&config.database, &token).await else {
+            return Ok(());
+        };
+        database::check_schema(&pool, &config.database).await?;
+        let runtime = PluginRuntime::new()?;
+        let mut consumers = JoinSet::new();
+        for pipeline_config in &config.pipelines {
+            let pipeline =
+                Pipeline::start(pipeline_config.clone(), runtime.clone(), pool.clone()).await?;
+            consumers.spawn(pipeline::consume(
+                Arc::new(pipeline),
+                config.amqp.url.clone(),
+                token.clone(),
+            ));
+        }
+        info!(pipelines = config.pipelines.len(), "idem is running.");
+        while consumers.join_next().await.is_some() {}
+        pool.close().await;
+        Ok(())
+    };
+    tokio::pin!(serving);
+    tokio::select! {
+        result = &mut serving => {
+            // Startup failed, or every consumer ended.
+            trigger.cancel();
+            result
+        }
+        () = shutdown => {
+            info!("Shutting down: finishing messages in flight.");
+            trigger.cancel();
+            let result = serving.await;
+            info!("Stopped.");
+            result
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! One pipeline at run time: its plugin, its statements, and the consume loop that feeds
+//! deliveries to bounded workers and settles each one after its transaction.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use futures::StreamExt;
+use lapin::Channel;
+use sqlx::PgPool;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::amqp::{self, AmqpError, Receipt, Session};
+use crate::backoff::Backoff;
+use crate::config::PipelineConfig;
+use crate::message::InboundMessage;
+use crate::plugin::{LoadedPlugin, PluginError, PluginRuntime};
+use crate::process::{self, Disposition};
+use crate::statement::{StatementCatalog, StatementError};
+
+/// Everything a worker needs to handle a message of this pipeline.
+pub struct Pipeline {
+    pub config: PipelineConfig,
+    pub runtime: PluginRuntime,
+    /// The plugin serving new messages; a message in flight keeps the version it started with.
+    pub plugin: ArcSwap<LoadedPlugin>,
+    pub statements: StatementCatalog,
+    pub pool: PgPool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error("pipeline {pipeline:?}: {source}")]
+    Plugin {
+        pipeline: String,
+        source: PluginError,
+    },
+    #[error(transparent)]
+    Statement(#[from] StatementError),
+}
+
+impl Pipeline {
+    /// Compiles the plugin (off the async threads) and prepares every statement.
+    pub async fn start(
+        config: PipelineConfig,
+        runtime: PluginRuntime,
+        pool: PgPool,
+    ) -> Result<Pipeline, PipelineError> {
+        let plugin = load_plugin(&runtime, &config).await?;
+        let statements = StatementCatalog::prepare(&pool, &config).await?;
+        info!(
+            pipeline = %config.name,
+            plugin = %plugin.path.display(),
+            digest = %plugin.digest,
+            statements = config.statements.len(),
+            "Pipeline ready."
+        );
+        Ok(Pipeline {
+            config,
+            runtime,
+            plugin: ArcSwap::from_pointee(plugin),
+            statements,
+            pool,
+        })
+    }
+}
+
+/// Compiles the pipeline's plugin on a blocking thread.
+pub async fn load_plugin(
+    runtime: &PluginRuntime,
+    config: &PipelineConfig,
+) -> Result<LoadedPlugin, PipelineError> {
+    let path = config.plugin.clone();
+    let compiling_runtime = runtime.clone();
+    let loaded = tokio::task::spawn_blocking(move || compiling_runtime.load(&path))
+        .await
+        .unwrap_or_else(|join_error| {
+            Err(PluginError::Invalid {
+                path: config.plugin.clone(),
+                reason: format!("compilation crashed: {join_error}"),
+            })
+        });
+    loaded.map_err(|source| PipelineError::Plugin {
+        pipeline: config.name.clone(),
+        source,
+    })
+}
+
+/// Consumes the pipeline's queue until `shutdown`, reconnecting to RabbitMQ with backoff.
+pub async fn consume(pipeline: Arc<Pipeline>, amqp_url: String, shutdown: CancellationToken) {
+    let name = pipeline.config.name.clone();
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+    while !shutdown.is_cancelled() {
+        let opened = tokio::select! {
+            opened = Session::open(&amqp_url, &pipeline.config) => opened,
+            () = shutdown.cancelled() => return,
+        };
+        let lost = match opened {
+            Ok(session) => {
+                info!(pipeline = %name, queue = %pipeline.config.queue, "Consuming.");
+                backoff.reset();
+                match serve(&pipeline, session, &shutdown).await {
+                    Ok(()) => return,
+                    Err(error) => error,
+                }
+            }
+            Err(error) => error,
+        };
+        let delay = backoff.next_delay();
+        warn!(
+            pipeline = %name,
+            error = %lost,
+            retry_in_ms = delay.as_millis() as u64,
+            "RabbitMQ unavailable; reconnecting."
+        );
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = shutdown.cancelled() => return,
+        }
+    }
+}
+
+/// Feeds deliveries to at most `workers` concurrent tasks. On shutdown, stops consuming,
+/// lets every started message finish and settle, then closes the connection.
+async fn serve(
+    pipeline: &Arc<Pipeline>,
+    mut session: Session,
+    shutdown: &CancellationToken,
+) -> Result<(), AmqpError> {
+    let workers = Arc::new(Semaphore::new(pipeline.config.workers.get()));
+    let mut in_flight = JoinSet::new();
+    let ended = loop {
+        while in_flight.try_join_next().is_some() {}
+        let next = tokio::select! {
+            biased;
+            () = shutdown.cancelled() => break Ok(()),
+            next = session.consumer.next() => next,
+        };
+        let delivery = match next {
+            Some(Ok(delivery)) => delivery,
+            Some(Err(error)) => {
+                break Err(AmqpError::ConsumerLost {
+                    queue: pipeline.config.queue.clone(),
+                    reason: error.to_string(),
+                });
+            }
+            None => {
+                break Err(AmqpError::ConsumerLost {
+                    queue: pipeline.config.queue.clone(),
+                    reason: "the broker cancelled the consumer".into(),
+                });
+            }
+        };
+        let permit = tokio::select! {
+            permit = workers.clone().acquire_owned() => permit,
+            // The delivery is not started: closing the connection returns it to the queue.
+            () = shutdown.cancelled() => break Ok(()),
+        };
+        let Ok(permit) = permit else { break Ok(()) };
+        let (message, receipt) = amqp::receive(&pipeline.config.name, delivery);
+        let pipeline = Arc::clone(pipeline);
+        let channel = session.channel.clone();
+        let shutdown = shutdown.clone();
+        in_flight.spawn(async move {
+            settle(&pipeline, &channel, message, receipt, &shutdown).await;
+            drop(permit);
+        });
+    };
+    if ended.is_ok() {
+        session.cancel().await;
+    }
+    while in_flight.join_next().await.is_some() {}
+    session.close().await;
+    ended
+}
+
+/// Decides a message's fate, then tells the broker.
+async fn settle(
+    pipeline: &Pipeline,
+    channel: &Channel,
+    message: InboundMessage,
+    receipt: Receipt,
+    shutdown: &CancellationToken,
+) {
+    let name = &pipeline.config.name;
+    let disposition = process::handle_delivery(pipeline, &message, receipt.attempt, shutdown).await;
+    let acked = match disposition {
+        Disposition::Ack(settled) => {
+            debug!(pipeline = %name, outcome = settled.as_str(), "Settled.");
+            receipt.ack().await
+        }
+        Disposition::DeadLetter { error_kind, reason } => {
+            warn!(
+                pipeline = %name,
+                error_kind,
+                %reason,
+                message_id = message.message_id.as_deref().unwrap_or(""),
+                dead_letter_queue = %pipeline.config.dead_letter_queue,
+                "Message rejected and dead-lettered."
+            );
+            publish_or_requeue(
+                &receipt,
+                receipt
+                    .dead_letter(channel, &pipeline.config, error_kind, &reason)
+                    .await,
+            )
+            .await
+        }
+        Disposition::Retry { attempt, reason } => {
+            let delay = retry_delay(attempt);
+            debug!(pipeline = %name, attempt, %reason, delay_ms = delay.as_millis() as u64, "Plugin asked for a retry.");
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = shutdown.cancelled() => {}
+            }
+            publish_or_requeue(
+                &receipt,
+                receipt.retry(channel, &pipeline.config.queue, attempt).await,
+            )
+            .await
+        }
+        Disposition::Requeue => receipt.requeue().await,
+    };
+    if !acked {
+        warn!(
+            pipeline = %name,
+            delivery_tag = receipt.delivery_tag,
+            "Could not settle the delivery: its channel is gone. RabbitMQ will redeliver it; the claim makes that a duplicate."
+        );
+    }
+}
+
+async fn publish_or_requeue(receipt: &Receipt, published: Result<bool, AmqpError>) -> bool {
+    match published {
+        Ok(acked) => acked,
+        Err(error) => {
+            warn!(%error, "Cannot move the message; returning it to its queue.");
+            receipt.requeue().await
+        }
+    }
+}
+
+/// Delay before a retryable failure is tried again: 200 ms doubling per attempt, at most 10 s.
+fn retry_delay(attempt: u32) -> Duration {
+    let exponent = attempt.saturating_sub(2).min(6);
+    Duration::from_millis(200 * (1u64 << exponent)).min(Duration::from_secs(10))
+}

@@ -1,0 +1,65 @@
+//! The generated WIT bindings, and their conversion to host types. No other file names them.
+
+use crate::effect::{Decision, Effect, Failure, FailureKind, Outcome, Value};
+use crate::message::InboundMessage;
+
+wasmtime::component::bindgen!({
+    path: "../wit",
+    world: "plugin",
+    exports: { default: async },
+});
+
+pub use exports::idem::plugin::handler;
+pub use idem::plugin::log;
+use idem::plugin::types;
+
+pub fn message(inbound: &InboundMessage) -> types::Message {
+    types::Message {
+        pipeline: inbound.pipeline.clone(),
+        body: inbound.body.clone(),
+        headers: inbound.headers.clone(),
+        routing_key: inbound.routing_key.clone(),
+        exchange: inbound.exchange.clone(),
+        message_id: inbound.message_id.clone(),
+        redelivered: inbound.redelivered,
+    }
+}
+
+pub fn verdict(result: Result<types::Outcome, types::Failure>) -> Result<Outcome, Failure> {
+    match result {
+        Ok(types::Outcome::Decision(decision)) => Ok(Outcome::Decision(Decision {
+            key: decision.key,
+            effects: decision.effects.into_iter().map(effect).collect(),
+        })),
+        Ok(types::Outcome::Skip(reason)) => Ok(Outcome::Skip { reason }),
+        Err(failure) => Err(Failure {
+            kind: match failure.kind {
+                types::FailureKind::InvalidInput => FailureKind::InvalidInput,
+                types::FailureKind::Retryable => FailureKind::Retryable,
+            },
+            reason: failure.reason,
+        }),
+    }
+}
+
+fn effect(effect: types::Effect) -> Effect {
+    match effect {
+        types::Effect::Exec(exec) => Effect::Exec {
+            statement: exec.statement,
+            params: exec.params.into_iter().map(value).collect(),
+        },
+    }
+}
+
+fn value(value: types::Value) -> Value {
+    match value {
+        types::Value::Null => Value::Null,
+        types::Value::Boolean(flag) => Value::Boolean(flag),
+        types::Value::Integer(integer) => Value::Integer(integer),
+        types::Value::Float(float) => Value::Float(float),
+        types::Value::Text(text) => Value::Text(text),
+        types::Value::Json(json) => Value::Json(json),
+        types::Value::Bytes(bytes) => Value::Bytes(bytes),
+        types::Value::Timestamp(micros) => Value::Timestamp(micros),
+    }
+}

@@ -1,0 +1,231 @@
+//! The plugin runtime: compiles components once, runs each message in a fresh sandbox.
+//!
+//! Architecture invariant: this module knows nothing of AMQP or SQL.
+//! A plugin returns effects as data and does no I/O; the host decides what happens next.
+
+mod bindings;
+mod state;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use sha2::{Digest, Sha256};
+use wasmtime::component::{Component, Linker};
+use wasmtime::{Config as EngineConfig, Engine, Store, Trap, UpdateDeadline};
+
+use crate::config::PluginLimits;
+use crate::effect::{Failure, Outcome};
+use crate::message::InboundMessage;
+use bindings::PluginPre;
+use state::PluginState;
+
+/// How often the engine's epoch advances; the granularity of plugin deadlines.
+const EPOCH_TICK: Duration = Duration::from_millis(5);
+
+/// Largest decision (key, statement names and parameter bytes) a plugin may return.
+pub const MAX_DECISION_BYTES: usize = 1024 * 1024;
+
+/// One engine and linker for every pipeline; an epoch ticker thread drives deadlines.
+#[derive(Clone)]
+pub struct PluginRuntime {
+    engine: Engine,
+    linker: Arc<Linker<PluginState>>,
+}
+
+/// A compiled, type-checked component, ready to instantiate per message.
+pub struct LoadedPlugin {
+    pre: PluginPre<PluginState>,
+    /// Where it was loaded from.
+    pub path: PathBuf,
+    /// `sha256:<hex>` of the component bytes: which code decided.
+    pub digest: String,
+    pub loaded_at: SystemTime,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("cannot read plugin {path:?}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("plugin {path:?} is not a valid idem:plugin@0.1.0 component: {reason}")]
+    Invalid { path: PathBuf, reason: String },
+    /// The plugin's own verdict: it understood the message and refused it.
+    #[error("plugin refused the message ({}): {}", .0.kind.as_str(), .0.reason)]
+    Rejected(Failure),
+    #[error("plugin exceeded its deadline of {deadline:?}")]
+    DeadlineExceeded { deadline: Duration },
+    #[error("plugin exceeded its memory limit of {limit_mib} MiB")]
+    MemoryExceeded { limit_mib: u32 },
+    #[error("plugin trapped: {reason}")]
+    Trap { reason: String },
+    #[error("plugin output too large: {reason}")]
+    OutputTooLarge { reason: String },
+    #[error("plugin output invalid: {reason}")]
+    InvalidOutput { reason: String },
+}
+
+impl PluginRuntime {
+    pub fn new() -> Result<PluginRuntime, PluginError> {
+        let mut engine_config = EngineConfig::new();
+        engine_config
+            .async_support(true)
+            .epoch_interruption(true)
+            .wasm_component_model(true);
+        let engine = Engine::new(&engine_config).map_err(|error| PluginError::Invalid {
+            path: PathBuf::new(),
+            reason: format!("cannot configure the wasm engine: {error:#}"),
+        })?;
+        let mut linker = Linker::new(&engine);
+        let linked = wasmtime_wasi::p2::add_to_linker_async(&mut linker)
+            .and_then(|()| bindings::log::add_to_linker::<_, wasmtime::component::HasSelf<_>>(
+                &mut linker,
+                |state: &mut PluginState| state,
+            ));
+        linked.map_err(|error| PluginError::Invalid {
+            path: PathBuf::new(),
+            reason: format!("cannot link host imports: {error:#}"),
+        })?;
+        spawn_epoch_ticker(&engine);
+        Ok(PluginRuntime {
+            engine,
+            linker: Arc::new(linker),
+        })
+    }
+
+    /// Reads, compiles and type-checks a component. CPU-heavy: call off the async hot path.
+    pub fn load(&self, path: &Path) -> Result<LoadedPlugin, PluginError> {
+        let bytes = std::fs::read(path).map_err(|source| PluginError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        self.load_bytes(path, &bytes)
+    }
+
+    /// Compiles and type-checks component bytes that came from `path`.
+    pub fn load_bytes(&self, path: &Path, bytes: &[u8]) -> Result<LoadedPlugin, PluginError> {
+        let invalid = |error: wasmtime::Error| PluginError::Invalid {
+            path: path.to_path_buf(),
+            reason: format!("{error:#}"),
+        };
+        let component = Component::new(&self.engine, bytes).map_err(invalid)?;
+        let instance_pre = self.linker.instantiate_pre(&component).map_err(invalid)?;
+        let pre = PluginPre::new(instance_pre).map_err(invalid)?;
+        Ok(LoadedPlugin {
+            pre,
+            path: path.to_path_buf(),
+            digest: format!("sha256:{:x}", Sha256::digest(bytes)),
+            loaded_at: SystemTime::now(),
+        })
+    }
+
+    /// Runs `plugin` on `message` in a fresh sandbox bounded by `limits`.
+    pub async fn invoke(
+        &self,
+        plugin: &LoadedPlugin,
+        limits: &PluginLimits,
+        message: &InboundMessage,
+    ) -> Result<Outcome, PluginError> {
+        let deadline = limits.deadline();
+        let mut store = Store::new(
+            &self.engine,
+            PluginState::new(&message.pipeline, limits.memory_bytes()),
+        );
+        store.limiter(|state| &mut state.limiter);
+        let expires_at = Instant::now() + deadline;
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |_| {
+            if Instant::now() >= expires_at {
+                Ok(UpdateDeadline::Interrupt)
+            } else {
+                Ok(UpdateDeadline::Yield(1))
+            }
+        });
+        let wit_message = bindings::message(message);
+        let call = async {
+            let instance = plugin.pre.instantiate_async(&mut store).await?;
+            instance
+                .idem_plugin_handler()
+                .call_handle(&mut store, &wit_message)
+                .await
+        };
+        // The epoch callback stops guest code; the timeout also stops a host call that blocks.
+        let result = tokio::time::timeout(deadline + EPOCH_TICK * 2, call).await;
+        let returned = match result {
+            Err(_elapsed) => return Err(PluginError::DeadlineExceeded { deadline }),
+            Ok(Err(error)) => {
+                return Err(classify_trap(
+                    &error,
+                    store.data().limiter.memory_exceeded,
+                    limits,
+                ));
+            }
+            Ok(Ok(returned)) => returned,
+        };
+        let outcome = bindings::verdict(returned).map_err(PluginError::Rejected)?;
+        check_output(&outcome, limits)?;
+        Ok(outcome)
+    }
+}
+
+fn classify_trap(error: &wasmtime::Error, memory_exceeded: bool, limits: &PluginLimits) -> PluginError {
+    if memory_exceeded {
+        return PluginError::MemoryExceeded {
+            limit_mib: limits.memory_mib.get(),
+        };
+    }
+    if error.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
+        return PluginError::DeadlineExceeded {
+            deadline: limits.deadline(),
+        };
+    }
+    PluginError::Trap {
+        reason: format!("{error:#}"),
+    }
+}
+
+fn check_output(outcome: &Outcome, limits: &PluginLimits) -> Result<(), PluginError> {
+    let Outcome::Decision(decision) = outcome else {
+        return Ok(());
+    };
+    if decision.effects.len() > limits.max_effects.get() {
+        return Err(PluginError::OutputTooLarge {
+            reason: format!(
+                "{} effects, limit is {}",
+                decision.effects.len(),
+                limits.max_effects
+            ),
+        });
+    }
+    let size = decision.size();
+    if size > MAX_DECISION_BYTES {
+        return Err(PluginError::OutputTooLarge {
+            reason: format!("decision of {size} bytes, limit is {MAX_DECISION_BYTES}"),
+        });
+    }
+    if decision.key.is_empty() {
+        return Err(PluginError::InvalidOutput {
+            reason: "decision has an empty idempotency key".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Advances the engine's epoch every tick until the engine is dropped.
+fn spawn_epoch_ticker(engine: &Engine) {
+    let weak = engine.weak();
+    let spawned = std::thread::Builder::new()
+        .name("idem-epoch".into())
+        .spawn(move || {
+            while let Some(engine) = weak.upgrade() {
+                engine.increment_epoch();
+                drop(engine);
+                std::thread::sleep(EPOCH_TICK);
+            }
+        });
+    if let Err(error) = spawned {
+        tracing::error!(%error, "Cannot start the plugin deadline thread; deadlines rely on timeouts only.");
+    }
+}

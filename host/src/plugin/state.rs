@@ -1,0 +1,125 @@
+//! Per-call `Store` data: the sandbox's WASI context, its limits, and the `log` import.
+
+use wasmtime::ResourceLimiter;
+use wasmtime::component::ResourceTable;
+use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+
+use crate::plugin::bindings::log;
+
+/// Log lines one call may emit before the rest are dropped (and counted in one summary line).
+const LOG_LINES_PER_CALL: u32 = 32;
+/// Longest log line kept from a plugin, in bytes.
+const LOG_LINE_BYTES: usize = 1024;
+
+pub struct PluginState {
+    pipeline: String,
+    wasi: WasiCtx,
+    table: ResourceTable,
+    pub(super) limiter: SandboxLimiter,
+    log_lines: u32,
+}
+
+impl PluginState {
+    /// A sandbox with no files, network, environment, arguments or stdio, and `memory_bytes` of memory.
+    pub fn new(pipeline: &str, memory_bytes: usize) -> PluginState {
+        let wasi = WasiCtxBuilder::new()
+            .allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false)
+            .build();
+        PluginState {
+            pipeline: pipeline.to_string(),
+            wasi,
+            table: ResourceTable::new(),
+            limiter: SandboxLimiter {
+                memory_bytes,
+                memory_exceeded: false,
+            },
+            log_lines: 0,
+        }
+    }
+}
+
+/// Refuses memory growth past the pipeline's limit, and remembers that it did,
+/// so the call's failure is reported as a memory limit rather than a generic trap.
+pub(super) struct SandboxLimiter {
+    memory_bytes: usize,
+    pub(super) memory_exceeded: bool,
+}
+
+/// Tables a plugin may grow to, in elements: far above what compilers emit, far below harm.
+const TABLE_ELEMENTS: usize = 1_000_000;
+
+impl ResourceLimiter for SandboxLimiter {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.memory_bytes {
+            self.memory_exceeded = true;
+            wasmtime::bail!(
+                "memory limit exceeded: wanted {desired} bytes, limit is {} bytes",
+                self.memory_bytes
+            );
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= TABLE_ELEMENTS)
+    }
+}
+
+impl Drop for PluginState {
+    fn drop(&mut self) {
+        if self.log_lines > LOG_LINES_PER_CALL {
+            tracing::warn!(
+                pipeline = %self.pipeline,
+                dropped = self.log_lines - LOG_LINES_PER_CALL,
+                "Plugin log lines dropped (limit {LOG_LINES_PER_CALL} per message)."
+            );
+        }
+    }
+}
+
+impl WasiView for PluginState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl log::Host for PluginState {
+    fn log(&mut self, level: log::Level, message: String) {
+        self.log_lines = self.log_lines.saturating_add(1);
+        if self.log_lines > LOG_LINES_PER_CALL {
+            return;
+        }
+        let mut line = message;
+        if line.len() > LOG_LINE_BYTES {
+            let mut cut = LOG_LINE_BYTES;
+            while !line.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            line.truncate(cut);
+            line.push('…');
+        }
+        let pipeline = &self.pipeline;
+        match level {
+            log::Level::Trace => tracing::trace!(pipeline = %pipeline, plugin_log = %line),
+            log::Level::Debug => tracing::debug!(pipeline = %pipeline, plugin_log = %line),
+            log::Level::Info => tracing::info!(pipeline = %pipeline, plugin_log = %line),
+            log::Level::Warn => tracing::warn!(pipeline = %pipeline, plugin_log = %line),
+            log::Level::Error => tracing::error!(pipeline = %pipeline, plugin_log = %line),
+        }
+    }
+}

@@ -1,0 +1,448 @@
+//! Named statements: prepared at start-up, and the only SQL a plugin's effects can run.
+//!
+//! Architecture invariant: a plugin names a statement and passes typed values; the host
+//! checks the name, the parameter count and every value's type before a transaction opens.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, NaiveDateTime, Utc};
+use sqlx::postgres::{PgArguments, PgPool, PgTypeInfo};
+use sqlx::{Arguments, Either, Executor, Statement, TypeInfo};
+
+use crate::config::PipelineConfig;
+use crate::effect::{Effect, Value};
+
+/// The statements of one pipeline, with the parameter types Postgres inferred for them.
+#[derive(Debug)]
+pub struct StatementCatalog {
+    pipeline: String,
+    statements: HashMap<String, PreparedStatement>,
+}
+
+#[derive(Debug)]
+struct PreparedStatement {
+    sql: String,
+    params: Vec<ParamType>,
+}
+
+/// An effect checked against its statement, ready to bind.
+#[derive(Debug, Clone)]
+pub struct BoundEffect<'catalog> {
+    pub statement: &'catalog str,
+    pub sql: &'catalog str,
+    values: Vec<BoundValue>,
+}
+
+/// Parameter types idem can bind from plugin values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ParamType {
+    Bool,
+    Int2,
+    Int4,
+    Int8,
+    Float4,
+    Float8,
+    Text,
+    Jsonb,
+    Bytea,
+    Timestamptz,
+    Timestamp,
+    Uuid,
+}
+
+#[derive(Debug, Clone)]
+enum BoundValue {
+    Bool(Option<bool>),
+    Int2(Option<i16>),
+    Int4(Option<i32>),
+    Int8(Option<i64>),
+    Float4(Option<f32>),
+    Float8(Option<f64>),
+    Text(Option<String>),
+    Jsonb(Option<serde_json::Value>),
+    Bytea(Option<Vec<u8>>),
+    Timestamptz(Option<DateTime<Utc>>),
+    Timestamp(Option<NaiveDateTime>),
+    Uuid(Option<uuid::Uuid>),
+}
+
+/// A statement that cannot serve: refused at start-up and by `idem check`.
+#[derive(Debug, thiserror::Error)]
+pub enum StatementError {
+    #[error("pipeline {pipeline:?}, statement {statement:?}: does not prepare: {source}")]
+    Prepare {
+        pipeline: String,
+        statement: String,
+        source: sqlx::Error,
+    },
+    #[error(
+        "pipeline {pipeline:?}, statement {statement:?}: parameter ${index} has type {type_name}, which idem cannot bind; cast it in the SQL, e.g. ${index}::int8 or ${index}::text"
+    )]
+    UnsupportedType {
+        pipeline: String,
+        statement: String,
+        index: usize,
+        type_name: String,
+    },
+}
+
+/// An effect that does not fit its statement: the message is rejected, nothing runs.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EffectError {
+    #[error("effect names unknown statement {statement:?} (pipeline {pipeline:?} has: {known})")]
+    UnknownStatement {
+        pipeline: String,
+        statement: String,
+        known: String,
+    },
+    #[error("statement {statement:?} takes {expected} parameters, the effect gave {given}")]
+    ParamCount {
+        statement: String,
+        expected: usize,
+        given: usize,
+    },
+    #[error("statement {statement:?} parameter ${index}: expected {expected}, the effect gave {given}")]
+    ParamType {
+        statement: String,
+        index: usize,
+        expected: &'static str,
+        given: &'static str,
+    },
+    #[error("statement {statement:?} parameter ${index}: {problem}")]
+    ParamValue {
+        statement: String,
+        index: usize,
+        problem: String,
+    },
+}
+
+impl StatementCatalog {
+    /// Prepares every statement of `pipeline` and records its parameter types.
+    pub async fn prepare(
+        pool: &PgPool,
+        pipeline: &PipelineConfig,
+    ) -> Result<StatementCatalog, StatementError> {
+        let mut statements = HashMap::with_capacity(pipeline.statements.len());
+        for (name, sql) in &pipeline.statements {
+            let prepared = pool
+                .prepare(sql.as_str())
+                .await
+                .map_err(|source| StatementError::Prepare {
+                    pipeline: pipeline.name.clone(),
+                    statement: name.clone(),
+                    source,
+                })?;
+            let params = match prepared.parameters() {
+                Some(Either::Left(types)) => types
+                    .iter()
+                    .enumerate()
+                    .map(|(position, type_info)| {
+                        ParamType::of(type_info).ok_or_else(|| StatementError::UnsupportedType {
+                            pipeline: pipeline.name.clone(),
+                            statement: name.clone(),
+                            index: position + 1,
+                            type_name: type_info.name().to_lowercase(),
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+                Some(Either::Right(_)) | None => Vec::new(),
+            };
+            statements.insert(
+                name.clone(),
+                PreparedStatement {
+                    sql: sql.clone(),
+                    params,
+                },
+            );
+        }
+        Ok(StatementCatalog {
+            pipeline: pipeline.name.clone(),
+            statements,
+        })
+    }
+
+    /// Checks `effect` against its statement and converts its values to the declared types.
+    pub fn bind<'catalog>(&'catalog self, effect: &Effect) -> Result<BoundEffect<'catalog>, EffectError> {
+        let Effect::Exec { statement, params } = effect;
+        let (name, prepared) = self.statements.get_key_value(statement).ok_or_else(|| {
+            let mut known: Vec<&str> = self.statements.keys().map(String::as_str).collect();
+            known.sort_unstable();
+            EffectError::UnknownStatement {
+                pipeline: self.pipeline.clone(),
+                statement: statement.clone(),
+                known: known.join(", "),
+            }
+        })?;
+        if params.len() != prepared.params.len() {
+            return Err(EffectError::ParamCount {
+                statement: name.clone(),
+                expected: prepared.params.len(),
+                given: params.len(),
+            });
+        }
+        let values = prepared
+            .params
+            .iter()
+            .zip(params)
+            .enumerate()
+            .map(|(position, (param_type, value))| {
+                param_type.convert(value).map_err(|problem| match problem {
+                    Conversion::WrongType => EffectError::ParamType {
+                        statement: name.clone(),
+                        index: position + 1,
+                        expected: param_type.expected(),
+                        given: value.kind(),
+                    },
+                    Conversion::BadValue(problem) => EffectError::ParamValue {
+                        statement: name.clone(),
+                        index: position + 1,
+                        problem,
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(BoundEffect {
+            statement: name,
+            sql: &prepared.sql,
+            values,
+        })
+    }
+}
+
+impl BoundEffect<'_> {
+    /// The arguments, freshly encoded (a retried transaction encodes them again).
+    pub fn arguments(&self) -> Result<PgArguments, sqlx::Error> {
+        let mut arguments = PgArguments::default();
+        for value in &self.values {
+            let added = match value.clone() {
+                BoundValue::Bool(value) => arguments.add(value),
+                BoundValue::Int2(value) => arguments.add(value),
+                BoundValue::Int4(value) => arguments.add(value),
+                BoundValue::Int8(value) => arguments.add(value),
+                BoundValue::Float4(value) => arguments.add(value),
+                BoundValue::Float8(value) => arguments.add(value),
+                BoundValue::Text(value) => arguments.add(value),
+                BoundValue::Jsonb(value) => arguments.add(value.map(sqlx::types::Json)),
+                BoundValue::Bytea(value) => arguments.add(value),
+                BoundValue::Timestamptz(value) => arguments.add(value),
+                BoundValue::Timestamp(value) => arguments.add(value),
+                BoundValue::Uuid(value) => arguments.add(value),
+            };
+            added.map_err(sqlx::Error::Encode)?;
+        }
+        Ok(arguments)
+    }
+}
+
+enum Conversion {
+    WrongType,
+    BadValue(String),
+}
+
+impl ParamType {
+    fn of(type_info: &PgTypeInfo) -> Option<ParamType> {
+        Some(match type_info.name() {
+            "BOOL" => ParamType::Bool,
+            "INT2" => ParamType::Int2,
+            "INT4" => ParamType::Int4,
+            "INT8" => ParamType::Int8,
+            "FLOAT4" => ParamType::Float4,
+            "FLOAT8" => ParamType::Float8,
+            "TEXT" | "VARCHAR" | "BPCHAR" | "NAME" => ParamType::Text,
+            "JSON" | "JSONB" => ParamType::Jsonb,
+            "BYTEA" => ParamType::Bytea,
+            "TIMESTAMPTZ" => ParamType::Timestamptz,
+            "TIMESTAMP" => ParamType::Timestamp,
+            "UUID" => ParamType::Uuid,
+            _ => return None,
+        })
+    }
+
+    /// The plugin value kinds this parameter accepts, for error messages.
+    fn expected(self) -> &'static str {
+        match self {
+            ParamType::Bool => "boolean (bool)",
+            ParamType::Int2 => "integer (int2)",
+            ParamType::Int4 => "integer (int4)",
+            ParamType::Int8 => "integer (int8)",
+            ParamType::Float4 => "float or integer (float4)",
+            ParamType::Float8 => "float or integer (float8)",
+            ParamType::Text => "text",
+            ParamType::Jsonb => "json",
+            ParamType::Bytea => "bytes (bytea)",
+            ParamType::Timestamptz => "timestamp (timestamptz)",
+            ParamType::Timestamp => "timestamp (timestamp)",
+            ParamType::Uuid => "text holding a UUID (uuid)",
+        }
+    }
+
+    fn convert(self, value: &Value) -> Result<BoundValue, Conversion> {
+        let out_of_range = |integer: i64| {
+            Conversion::BadValue(format!("{integer} is out of range for {}", self.expected()))
+        };
+        Ok(match (self, value) {
+            (ParamType::Bool, Value::Null) => BoundValue::Bool(None),
+            (ParamType::Int2, Value::Null) => BoundValue::Int2(None),
+            (ParamType::Int4, Value::Null) => BoundValue::Int4(None),
+            (ParamType::Int8, Value::Null) => BoundValue::Int8(None),
+            (ParamType::Float4, Value::Null) => BoundValue::Float4(None),
+            (ParamType::Float8, Value::Null) => BoundValue::Float8(None),
+            (ParamType::Text, Value::Null) => BoundValue::Text(None),
+            (ParamType::Jsonb, Value::Null) => BoundValue::Jsonb(None),
+            (ParamType::Bytea, Value::Null) => BoundValue::Bytea(None),
+            (ParamType::Timestamptz, Value::Null) => BoundValue::Timestamptz(None),
+            (ParamType::Timestamp, Value::Null) => BoundValue::Timestamp(None),
+            (ParamType::Uuid, Value::Null) => BoundValue::Uuid(None),
+            (ParamType::Bool, Value::Boolean(flag)) => BoundValue::Bool(Some(*flag)),
+            (ParamType::Int2, Value::Integer(integer)) => BoundValue::Int2(Some(
+                i16::try_from(*integer).map_err(|_| out_of_range(*integer))?,
+            )),
+            (ParamType::Int4, Value::Integer(integer)) => BoundValue::Int4(Some(
+                i32::try_from(*integer).map_err(|_| out_of_range(*integer))?,
+            )),
+            (ParamType::Int8, Value::Integer(integer)) => BoundValue::Int8(Some(*integer)),
+            (ParamType::Float4, Value::Float(float)) => BoundValue::Float4(Some(*float as f32)),
+            (ParamType::Float4, Value::Integer(integer)) => {
+                BoundValue::Float4(Some(*integer as f32))
+            }
+            (ParamType::Float8, Value::Float(float)) => BoundValue::Float8(Some(*float)),
+            (ParamType::Float8, Value::Integer(integer)) => {
+                BoundValue::Float8(Some(*integer as f64))
+            }
+            (ParamType::Text, Value::Text(text)) => {
+                if text.contains('\0') {
+                    return Err(Conversion::BadValue(
+                        "text contains a NUL character, which Postgres cannot store".into(),
+                    ));
+                }
+                BoundValue::Text(Some(text.clone()))
+            }
+            (ParamType::Jsonb, Value::Json(text)) => BoundValue::Jsonb(Some(
+                serde_json::from_str(text)
+                    .map_err(|error| Conversion::BadValue(format!("invalid JSON: {error}")))?,
+            )),
+            (ParamType::Bytea, Value::Bytes(bytes)) => BoundValue::Bytea(Some(bytes.clone())),
+            (ParamType::Timestamptz, Value::Timestamp(micros)) => {
+                BoundValue::Timestamptz(Some(timestamp(*micros)?))
+            }
+            (ParamType::Timestamp, Value::Timestamp(micros)) => {
+                BoundValue::Timestamp(Some(timestamp(*micros)?.naive_utc()))
+            }
+            (ParamType::Uuid, Value::Text(text)) => BoundValue::Uuid(Some(
+                uuid::Uuid::parse_str(text)
+                    .map_err(|error| Conversion::BadValue(format!("invalid UUID: {error}")))?,
+            )),
+            _ => return Err(Conversion::WrongType),
+        })
+    }
+}
+
+fn timestamp(micros: i64) -> Result<DateTime<Utc>, Conversion> {
+    DateTime::from_timestamp_micros(micros).ok_or_else(|| {
+        Conversion::BadValue(format!("{micros} microseconds is out of the timestamp range"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn catalog() -> StatementCatalog {
+        let statement = |params: Vec<ParamType>| PreparedStatement {
+            sql: String::new(),
+            params,
+        };
+        StatementCatalog {
+            pipeline: "loyalty".into(),
+            statements: HashMap::from([
+                (
+                    "credit".to_string(),
+                    statement(vec![ParamType::Int8, ParamType::Int4]),
+                ),
+                (
+                    "note".to_string(),
+                    statement(vec![ParamType::Text, ParamType::Jsonb, ParamType::Uuid]),
+                ),
+                ("stamp".to_string(), statement(vec![ParamType::Timestamptz])),
+            ]),
+        }
+    }
+
+    #[track_caller]
+    fn check(statement: &str, params: Vec<Value>, expected: Result<(), &str>) {
+        let catalog = catalog();
+        let effect = Effect::Exec {
+            statement: statement.to_string(),
+            params,
+        };
+        match (catalog.bind(&effect), expected) {
+            (Ok(bound), Ok(())) => {
+                assert_eq!(bound.statement, statement);
+                bound.arguments().expect("arguments encode");
+            }
+            (Err(error), Err(fragment)) => {
+                let message = error.to_string();
+                assert!(message.contains(fragment), "{message:?} lacks {fragment:?}");
+            }
+            (Ok(_), Err(fragment)) => panic!("expected an error containing {fragment:?}"),
+            (Err(error), Ok(())) => panic!("unexpected error: {error}"),
+        }
+    }
+
+    #[test]
+    fn binding() {
+        use Value::*;
+        check("credit", vec![Integer(7), Integer(50)], Ok(()));
+        check("credit", vec![Null, Null], Ok(()));
+        check(
+            "credit",
+            vec![Integer(7)],
+            Err("takes 2 parameters, the effect gave 1"),
+        );
+        check(
+            "credit",
+            vec![Text("7".into()), Integer(50)],
+            Err("parameter $1: expected integer (int8), the effect gave text"),
+        );
+        check(
+            "credit",
+            vec![Integer(7), Integer(1 << 40)],
+            Err("parameter $2: 1099511627776 is out of range"),
+        );
+        check(
+            "debit",
+            vec![],
+            Err("unknown statement \"debit\" (pipeline \"loyalty\" has: credit, note, stamp)"),
+        );
+        check(
+            "note",
+            vec![
+                Text("hi".into()),
+                Json("{\"a\":1}".into()),
+                Text("67e55044-10b1-426f-9247-bb680e5fe0c8".into()),
+            ],
+            Ok(()),
+        );
+        check(
+            "note",
+            vec![Text("hi".into()), Json("{".into()), Null],
+            Err("parameter $2: invalid JSON"),
+        );
+        check(
+            "note",
+            vec![Text("a\0b".into()), Null, Null],
+            Err("parameter $1: text contains a NUL"),
+        );
+        check(
+            "note",
+            vec![Null, Null, Text("not-a-uuid".into())],
+            Err("parameter $3: invalid UUID"),
+        );
+        check("stamp", vec![Timestamp(1_700_000_000_000_000)], Ok(()));
+        check(
+            "stamp",
+            vec![Timestamp(i64::MAX)],
+            Err("out of the timestamp range"),
+        );
+    }
+}

@@ -1,0 +1,90 @@
+//! A plugin for the host's tests: the message body says what it should do.
+//!
+//! `{"action": "trap"}` panics (a trap), `"loop"` never returns, `"alloc"` grows memory
+//! without bound, `"retry"` and `"invalid"` return failures, `"skip"` skips, `"log"` logs,
+//! and `"echo"` returns `{"key": …, "effects": [{"statement": …, "params": [...]}]}` as given
+//! (JSON integers become `integer`, strings `text`, floats `float`, booleans `boolean`,
+//! `null` `null`; `{"json": …}` becomes `json`).
+
+wit_bindgen::generate!({ path: "../../wit", world: "plugin" });
+
+use exports::idem::plugin::handler::Guest;
+use idem::plugin::log::{log, Level};
+use idem::plugin::types::{
+    Decision, Effect, Exec, Failure, FailureKind, Message, Outcome, Value,
+};
+use serde_json::Value as Json;
+
+struct Chaos;
+
+export!(Chaos);
+
+impl Guest for Chaos {
+    fn handle(message: Message) -> Result<Outcome, Failure> {
+        let request: Json = serde_json::from_slice(&message.body)
+            .map_err(|error| failure(FailureKind::InvalidInput, format!("not JSON: {error}")))?;
+        match request["action"].as_str().unwrap_or("echo") {
+            "trap" => panic!("chaos plugin asked to trap"),
+            "loop" => {
+                let mut counter: u64 = 0;
+                loop {
+                    counter = std::hint::black_box(counter.wrapping_add(1));
+                }
+            }
+            "alloc" => {
+                let mut hoard: Vec<Vec<u8>> = Vec::new();
+                loop {
+                    hoard.push(vec![1u8; 16 * 1024 * 1024]);
+                    std::hint::black_box(&hoard);
+                }
+            }
+            "retry" => Err(failure(FailureKind::Retryable, "chaos plugin asked to retry".into())),
+            "invalid" => Err(failure(FailureKind::InvalidInput, "chaos plugin asked to fail".into())),
+            "skip" => Ok(Outcome::Skip("chaos plugin asked to skip".into())),
+            "log" => {
+                log(Level::Info, "chaos plugin says hello");
+                Ok(Outcome::Skip("logged".into()))
+            }
+            _ => echo(&request),
+        }
+    }
+}
+
+fn echo(request: &Json) -> Result<Outcome, Failure> {
+    let key = request["key"]
+        .as_str()
+        .ok_or_else(|| failure(FailureKind::InvalidInput, "missing \"key\"".into()))?;
+    let effects = request["effects"]
+        .as_array()
+        .map(|effects| effects.iter().map(effect).collect())
+        .unwrap_or_default();
+    Ok(Outcome::Decision(Decision { key: key.to_string(), effects }))
+}
+
+fn effect(request: &Json) -> Effect {
+    Effect::Exec(Exec {
+        statement: request["statement"].as_str().unwrap_or_default().to_string(),
+        params: request["params"]
+            .as_array()
+            .map(|params| params.iter().map(value).collect())
+            .unwrap_or_default(),
+    })
+}
+
+fn value(json: &Json) -> Value {
+    match json {
+        Json::Null => Value::Null,
+        Json::Bool(flag) => Value::Boolean(*flag),
+        Json::Number(number) => match number.as_i64() {
+            Some(integer) => Value::Integer(integer),
+            None => Value::Float(number.as_f64().unwrap_or(f64::NAN)),
+        },
+        Json::String(text) => Value::Text(text.clone()),
+        Json::Object(object) => Value::Json(object.get("json").map(Json::to_string).unwrap_or_default()),
+        Json::Array(_) => Value::Null,
+    }
+}
+
+fn failure(kind: FailureKind, reason: String) -> Failure {
+    Failure { kind, reason }
+}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Starts the local PostgreSQL and RabbitMQ if they are installed but down, and waits until
+# both accept connections. No Docker: the services are the machine's own packages.
+set -euo pipefail
+
+pg_up() { pg_isready -q -h 127.0.0.1 -p 5432; }
+rabbit_up() { (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; }
+
+if ! pg_up; then
+  if command -v pg_ctlcluster >/dev/null && [ -d /etc/postgresql ]; then
+    echo "services: starting PostgreSQL"
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
+  else
+    echo "services: PostgreSQL is down and not installed here (install postgresql)" >&2
+    exit 1
+  fi
+fi
+
+if ! rabbit_up; then
+  if command -v rabbitmq-server >/dev/null; then
+    echo "services: starting RabbitMQ"
+    rabbitmq-server -detached || true
+  else
+    echo "services: RabbitMQ is down and not installed here (install rabbitmq-server)" >&2
+    exit 1
+  fi
+fi
+
+for _ in $(seq 1 120); do
+  if pg_up && rabbit_up; then
+    echo "services: PostgreSQL and RabbitMQ are up"
+    exit 0
+  fi
+  sleep 1
+done
+pg_up || echo "services: PostgreSQL still down after 120 s" >&2
+rabbit_up || echo "services: RabbitMQ still down after 120 s" >&2
+exit 1

@@ -1,0 +1,411 @@
+//! Test harness: real PostgreSQL and RabbitMQ, isolated per test.
+//!
+//! Each [`TestEnv`] owns a fresh database (host migrations and the demo schema applied) and
+//! uniquely named queues, so tests run in parallel and repeatedly. Endpoints come from
+//! `IDEM_TEST_PG_ADMIN_URL` and `AMQP_URL`, defaulting to the local services.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Connection as _, PgConnection, PgPool};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use idem_host::config::Config;
+
+/// Where the test plugins were built (`plugins/dist`).
+pub const PLUGIN_DIST: &str = env!("IDEM_PLUGIN_DIST");
+/// The repository root.
+pub const REPO_ROOT: &str = env!("IDEM_REPO_ROOT");
+
+/// A plugin built from `plugins/<name>`.
+pub fn plugin_path(name: &str) -> PathBuf {
+    Path::new(PLUGIN_DIST).join(format!("{name}.wasm"))
+}
+
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// A database where the test may create and drop databases.
+pub fn admin_url() -> String {
+    std::env::var("IDEM_TEST_PG_ADMIN_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// One test's private world: a database, queue names, and a broker channel for the test itself.
+pub struct TestEnv {
+    pub name: String,
+    pub database: String,
+    pub database_url: String,
+    pub pool: PgPool,
+    pub queue: String,
+    pub dead_letter_queue: String,
+    pub channel: Channel,
+    _connection: Connection,
+}
+
+impl TestEnv {
+    /// Creates the database and queue names for a test called `name`.
+    pub async fn new(name: &str) -> TestEnv {
+        init_logging();
+        let suffix: u32 = rand::random();
+        let unique = format!("{name}_{}_{suffix:08x}", std::process::id());
+        let database = format!("idem_t_{unique}");
+        let mut admin = PgConnection::connect(&admin_url())
+            .await
+            .expect("PostgreSQL reachable (scripts/services.sh starts it)");
+        sqlx::query(&format!("CREATE DATABASE \"{database}\""))
+            .execute(&mut admin)
+            .await
+            .expect("create test database");
+        let database_url = replace_database(&admin_url(), &database);
+        let pool = PgPoolOptions::new()
+            .max_connections(20)
+            .connect(&database_url)
+            .await
+            .expect("connect test database");
+        idem_host::database::MIGRATOR
+            .run(&pool)
+            .await
+            .expect("host migrations apply");
+        let schema = std::fs::read_to_string(Path::new(REPO_ROOT).join("examples/loyalty/schema.sql"))
+            .expect("demo schema readable");
+        sqlx::raw_sql(&schema)
+            .execute(&pool)
+            .await
+            .expect("demo schema applies");
+        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .expect("RabbitMQ reachable (scripts/services.sh starts it)");
+        let channel = connection.create_channel().await.expect("channel");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm mode");
+        let queue = format!("idem-t-{unique}");
+        let dead_letter_queue = format!("{queue}.dead-letter");
+        for queue_name in [&queue, &dead_letter_queue] {
+            channel
+                .queue_declare(
+                    ShortString::from(queue_name.as_str()),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .expect("declare test queue");
+        }
+        TestEnv {
+            name: name.to_string(),
+            database,
+            database_url,
+            pool,
+            queue,
+            dead_letter_queue,
+            channel,
+            _connection: connection,
+        }
+    }
+
+    /// The `pipelines.toml` text for the loyalty pipeline with `plugin`, pointed at this env.
+    pub fn config_text(&self, plugin: &str, extra: &str) -> String {
+        format!(
+            r#"
+[database]
+url = "{database_url}"
+max_connections = 20
+
+[amqp]
+url = "{amqp_url}"
+
+[pipelines.loyalty]
+queue = "{queue}"
+consumer = "loyalty"
+plugin = "{plugin_path}"
+dead_letter_queue = "{dead_letter_queue}"
+prefetch = 64
+workers = 8
+{extra}
+
+[pipelines.loyalty.statements]
+credit_balance = """
+INSERT INTO balances (customer_id, points) VALUES ($1, $2)
+ON CONFLICT (customer_id) DO UPDATE SET points = balances.points + EXCLUDED.points
+"""
+record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES ($1, $2, $3)"
+"#,
+            database_url = self.database_url,
+            amqp_url = amqp_url(),
+            queue = self.queue,
+            dead_letter_queue = self.dead_letter_queue,
+            plugin_path = plugin_path(plugin).display(),
+        )
+    }
+
+    /// A parsed config for the loyalty pipeline with `plugin`.
+    pub fn config(&self, plugin: &str, extra: &str) -> Config {
+        Config::from_toml(Path::new("/tmp/idem-test.toml"), &self.config_text(plugin, extra))
+            .expect("test config is valid")
+    }
+
+    /// Writes the config to a file, for tests that run the `idem` binary.
+    pub fn write_config(&self, plugin: &str, extra: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!("{}.toml", self.database));
+        std::fs::write(&path, self.config_text(plugin, extra)).expect("write config");
+        path
+    }
+
+    /// Starts the host in this process; stop it with [`Host::stop`].
+    pub fn start_host(&self, config: Config) -> Host {
+        let token = CancellationToken::new();
+        let shutdown = token.clone();
+        let task = tokio::spawn(async move {
+            idem_host::run(config, async move { shutdown.cancelled().await })
+                .await
+                .map_err(|error| error.to_string())
+        });
+        Host { token, task }
+    }
+
+    /// Publishes `body` persistently to the test queue and waits for the broker's confirm.
+    pub async fn publish(&self, body: &[u8]) {
+        publish(&self.channel, &self.queue, body).await;
+    }
+
+    /// Messages ready in `queue` (not counting unacked ones).
+    pub async fn ready(&self, queue: &str) -> u32 {
+        queue_ready(&self.channel, queue).await
+    }
+
+    /// Takes every message out of `queue`, returning body and headers as text.
+    pub async fn drain(&self, queue: &str) -> Vec<(String, Vec<(String, String)>)> {
+        let mut drained = Vec::new();
+        while let Some(message) = self
+            .channel
+            .basic_get(
+                ShortString::from(queue),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .expect("basic.get")
+        {
+            let headers = message
+                .delivery
+                .properties
+                .headers()
+                .as_ref()
+                .map(|table| {
+                    table
+                        .inner()
+                        .iter()
+                        .map(|(name, value)| (name.as_str().to_string(), amqp_text(value)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            drained.push((
+                String::from_utf8_lossy(&message.delivery.data).into_owned(),
+                headers,
+            ));
+        }
+        drained
+    }
+
+    pub async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar::<_, i64>(sql)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|error| panic!("{sql}: {error}"))
+    }
+
+    /// Asserts the loyalty invariants: one ledger row per claimed order, balances equal the ledger.
+    #[track_caller]
+    pub async fn assert_loyalty_consistent(&self) {
+        let ledger_rows = self.count("SELECT count(*) FROM point_ledger").await;
+        let distinct_orders = self
+            .count("SELECT count(DISTINCT order_id) FROM point_ledger")
+            .await;
+        let claims = self
+            .count("SELECT count(*) FROM processed_messages WHERE consumer = 'loyalty'")
+            .await;
+        assert_eq!(ledger_rows, distinct_orders, "an order was credited twice");
+        assert_eq!(claims, ledger_rows, "claims and ledger rows differ");
+        let mismatched = self
+            .count(
+                "SELECT count(*) FROM balances b FULL JOIN \
+                 (SELECT customer_id, sum(points) AS points FROM point_ledger GROUP BY customer_id) l \
+                 USING (customer_id) WHERE b.points IS DISTINCT FROM l.points",
+            )
+            .await;
+        assert_eq!(mismatched, 0, "balances differ from the ledger sums");
+    }
+
+    /// Drops the database and deletes the queues. Call at the end of a passing test.
+    pub async fn cleanup(self) {
+        for queue in [&self.queue, &self.dead_letter_queue] {
+            let _ = self
+                .channel
+                .queue_delete(ShortString::from(queue.as_str()), QueueDeleteOptions::default())
+                .await;
+        }
+        self.pool.close().await;
+        if let Ok(mut admin) = PgConnection::connect(&admin_url()).await {
+            let _ = sqlx::query(&format!(
+                "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
+                self.database
+            ))
+            .execute(&mut admin)
+            .await;
+        }
+    }
+}
+
+/// A host running in this process.
+pub struct Host {
+    token: CancellationToken,
+    task: JoinHandle<Result<(), String>>,
+}
+
+impl Host {
+    /// Asks the host to drain and stop, and returns how `run` ended.
+    pub async fn stop(self) -> Result<(), String> {
+        self.token.cancel();
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .map_err(|_| "host did not stop within 30 s".to_string())?
+            .map_err(|error| format!("host task panicked: {error}"))?
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+}
+
+/// The `idem` binary of this build, for tests that kill or crash the process.
+pub fn idem_binary() -> PathBuf {
+    let test_exe = std::env::current_exe().expect("current exe");
+    let profile_dir = test_exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
+    let binary = profile_dir.join("idem");
+    assert!(
+        binary.is_file(),
+        "{} missing: build it with `cargo build -p idem-host` (cargo test --workspace does)",
+        binary.display()
+    );
+    binary
+}
+
+/// Starts `idem run` as a child process with extra environment variables.
+pub fn spawn_idem(config: &Path, env: &[(&str, &str)]) -> Child {
+    let mut command = Command::new(idem_binary());
+    command
+        .args(["run", "--config"])
+        .arg(config)
+        .stdin(Stdio::null())
+        .env("RUST_LOG", "idem_host=debug,warn");
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command.spawn().expect("spawn idem")
+}
+
+pub async fn publish(channel: &Channel, queue: &str, body: &[u8]) {
+    let confirm = channel
+        .basic_publish(
+            ShortString::from(""),
+            ShortString::from(queue),
+            BasicPublishOptions::default(),
+            body,
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_content_type(ShortString::from("application/json")),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("publish confirm");
+    assert!(confirm.is_ack(), "broker refused a test message");
+}
+
+pub async fn queue_ready(channel: &Channel, queue: &str) -> u32 {
+    channel
+        .queue_declare(
+            ShortString::from(queue),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue exists")
+        .message_count()
+}
+
+/// An `OrderCompleted` body.
+pub fn order(order_id: i64, customer_id: i64, total_cents: i64) -> Vec<u8> {
+    serde_json::json!({
+        "type": "OrderCompleted",
+        "order_id": order_id,
+        "customer_id": customer_id,
+        "total_cents": total_cents,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// Polls `condition` every 50 ms until it holds or `timeout` passes.
+pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while !condition().await {
+        assert!(
+            started.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn replace_database(url: &str, database: &str) -> String {
+    let (base, query) = url.split_once('?').map_or((url, None), |(base, query)| (base, Some(query)));
+    let prefix = base.rsplit_once('/').map_or(base, |(prefix, _)| prefix);
+    match query {
+        Some(query) => format!("{prefix}/{database}?{query}"),
+        None => format!("{prefix}/{database}"),
+    }
+}
+
+fn amqp_text(value: &lapin::types::AMQPValue) -> String {
+    use lapin::types::AMQPValue;
+    match value {
+        AMQPValue::LongString(text) => String::from_utf8_lossy(text.as_bytes()).into_owned(),
+        AMQPValue::LongLongInt(integer) => integer.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn init_logging() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}
