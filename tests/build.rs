@@ -5,7 +5,10 @@ use std::process::Command;
 
 fn main() {
     let manifest_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("set by cargo"));
-    let root = manifest_dir.parent().expect("tests/ has a parent").to_path_buf();
+    let root = manifest_dir
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf();
     // Watch sources only: plugins/target and plugins/dist change with every build.
     for watched in ["wit", "scripts/build-plugins.sh", "plugins/Cargo.toml"] {
         println!("cargo:rerun-if-changed={}", root.join(watched).display());
@@ -14,8 +17,14 @@ fn main() {
     for entry in plugins.flatten() {
         let plugin_dir = entry.path();
         if plugin_dir.join("Cargo.toml").is_file() {
-            println!("cargo:rerun-if-changed={}", plugin_dir.join("Cargo.toml").display());
-            println!("cargo:rerun-if-changed={}", plugin_dir.join("src").display());
+            println!(
+                "cargo:rerun-if-changed={}",
+                plugin_dir.join("Cargo.toml").display()
+            );
+            println!(
+                "cargo:rerun-if-changed={}",
+                plugin_dir.join("src").display()
+            );
         }
     }
     let status = Command::new(root.join("scripts/build-plugins.sh"))

@@ -55,7 +55,7 @@ pub struct Session {
 
 /// A delivery's identity and acker, kept apart from the data the plugin sees.
 pub struct Receipt {
-    pub acker: lapin::acker::Acker,
+    pub acker: lapin::Acker,
     pub delivery_tag: u64,
     properties: BasicProperties,
     body: Vec<u8>,
@@ -139,7 +139,11 @@ impl Session {
 
     /// Closes the connection; unacked deliveries return to their queue.
     pub async fn close(self) {
-        if let Err(error) = self.connection.close(200, ShortString::from("idem stopping")).await {
+        if let Err(error) = self
+            .connection
+            .close(200, ShortString::from("idem stopping"))
+            .await
+        {
             tracing::debug!(%error, "Closing the RabbitMQ connection failed.");
         }
     }
@@ -292,14 +296,14 @@ impl Receipt {
             .await
             .map_err(|error| publish_error(error.to_string()))?;
         match confirm {
-            lapin::publisher_confirm::Confirmation::Ack(None) => Ok(()),
-            lapin::publisher_confirm::Confirmation::Ack(Some(_returned)) => {
-                Err(publish_error("the queue does not exist (message returned)".into()))
-            }
-            lapin::publisher_confirm::Confirmation::Nack(_) => {
+            lapin::Confirmation::Ack(None) => Ok(()),
+            lapin::Confirmation::Ack(Some(_returned)) => Err(publish_error(
+                "the queue does not exist (message returned)".into(),
+            )),
+            lapin::Confirmation::Nack(_) => {
                 Err(publish_error("the broker refused the message".into()))
             }
-            lapin::publisher_confirm::Confirmation::NotRequested => {
+            lapin::Confirmation::NotRequested => {
                 Err(publish_error("publisher confirms are off".into()))
             }
         }

@@ -50,7 +50,10 @@ mod tests {
         let ceilings = [100, 200, 400, 800, 1000, 1000, 1000, 1000];
         for (delay, ceiling) in delays.iter().zip(ceilings) {
             let ceiling = Duration::from_millis(ceiling);
-            assert!(*delay >= ceiling / 2 && *delay <= ceiling, "{delay:?} vs {ceiling:?}");
+            assert!(
+                *delay >= ceiling / 2 && *delay <= ceiling,
+                "{delay:?} vs {ceiling:?}"
+            );
         }
         backoff.reset();
         assert!(backoff.next_delay() <= Duration::from_millis(100));

@@ -117,7 +117,8 @@ impl Config {
             path: path.to_path_buf(),
             message,
         };
-        let file: PipelinesFile = toml::from_str(text).map_err(|error| invalid(error.to_string()))?;
+        let file: PipelinesFile =
+            toml::from_str(text).map_err(|error| invalid(error.to_string()))?;
         let base_dir = path.parent().unwrap_or(Path::new("."));
         let mut pipelines = Vec::with_capacity(file.pipelines.len());
         for (name, raw) in file.pipelines {
@@ -375,7 +376,10 @@ mod tests {
 
     #[test]
     fn redaction() {
-        check_redact("amqp://guest:guest@127.0.0.1:5672/%2f", "amqp://127.0.0.1:5672/%2f");
+        check_redact(
+            "amqp://guest:guest@127.0.0.1:5672/%2f",
+            "amqp://127.0.0.1:5672/%2f",
+        );
         check_redact("amqp://127.0.0.1", "amqp://127.0.0.1");
         check_redact("postgres://u:p@w@host/db", "postgres://host/db");
         check_redact("not a url", "not a url");
@@ -441,8 +445,8 @@ credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
 
     #[test]
     fn defaults_and_resolution() {
-        let config = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), VALID)
-            .expect("valid config");
+        let config =
+            Config::from_toml(Path::new("/etc/idem/pipelines.toml"), VALID).expect("valid config");
         let pipeline = config.pipeline("loyalty").expect("pipeline loyalty");
         assert_eq!(pipeline.consumer, "loyalty");
         assert_eq!(pipeline.dead_letter_queue, "order-completed.dead-letter");
@@ -456,19 +460,22 @@ credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
     fn errors_name_line_and_key() {
         check_error(
             &VALID.replace("queue = ", "queue_name = "),
-            &["line 10", "unknown field `queue_name`"],
+            &["line 9", "unknown field `queue_name`"],
         );
         check_error(
             &VALID.replace("plugin = ", "workers = 0\nplugin = "),
-            &["line 11", "workers"],
+            &["line 10", "workers"],
         );
         check_error(
-            &VALID.replace("[pipelines.loyalty]\n", "[pipelines.loyalty]\nclaim = \"redis\"\n"),
-            &["line 10", "claim", "ledger"],
+            &VALID.replace(
+                "[pipelines.loyalty]\n",
+                "[pipelines.loyalty]\nclaim = \"redis\"\n",
+            ),
+            &["line 9", "claim", "ledger"],
         );
         check_error(
             &VALID.replace("credit = \"UPDATE", "credit = \"  \"\nx = \"UPDATE"),
-            &["line 15", "pipelines.loyalty.statements.credit", "empty"],
+            &["line 13", "pipelines.loyalty.statements.credit", "empty"],
         );
         check_error(
             &VALID.replace("\"order-completed\"", "\"${IDEM_TEST_UNSET_QUEUE}\""),

@@ -10,7 +10,8 @@ use crate::failpoint::Failpoint;
 use crate::statement::BoundEffect;
 
 /// The guide's Step 2 claim: zero rows affected means another delivery already applied it.
-const CLAIM_SQL: &str = "INSERT INTO processed_messages (consumer, message_key) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+const CLAIM_SQL: &str =
+    "INSERT INTO processed_messages (consumer, message_key) VALUES ($1, $2) ON CONFLICT DO NOTHING";
 
 /// What the transaction decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -19,7 +19,13 @@ use idem_host::{database, pipeline};
 #[command(name = "idem", version)]
 struct Cli {
     /// Log format on stderr.
-    #[arg(long, global = true, value_enum, default_value = "text", env = "IDEM_LOG_FORMAT")]
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value = "text",
+        env = "IDEM_LOG_FORMAT"
+    )]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
@@ -154,9 +160,9 @@ async fn check(path: &Path) -> anyhow::Result<ExitCode> {
 
 async fn try_message(path: &Path, pipeline_name: &str, message: &Path) -> anyhow::Result<ExitCode> {
     let config = Config::load(path)?;
-    let pipeline_config = config.pipeline(pipeline_name).with_context(|| {
-        format!("no pipeline {pipeline_name:?} in {}", config.path.display())
-    })?;
+    let pipeline_config = config
+        .pipeline(pipeline_name)
+        .with_context(|| format!("no pipeline {pipeline_name:?} in {}", config.path.display()))?;
     let body =
         std::fs::read(message).with_context(|| format!("cannot read message {message:?}"))?;
     let runtime = PluginRuntime::new()?;

@@ -218,7 +218,9 @@ async fn settle(
             }
             publish_or_requeue(
                 &receipt,
-                receipt.retry(channel, &pipeline.config.queue, attempt).await,
+                receipt
+                    .retry(channel, &pipeline.config.queue, attempt)
+                    .await,
             )
             .await
         }

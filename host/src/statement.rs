@@ -101,7 +101,9 @@ pub enum EffectError {
         expected: usize,
         given: usize,
     },
-    #[error("statement {statement:?} parameter ${index}: expected {expected}, the effect gave {given}")]
+    #[error(
+        "statement {statement:?} parameter ${index}: expected {expected}, the effect gave {given}"
+    )]
     ParamType {
         statement: String,
         index: usize,
@@ -124,14 +126,14 @@ impl StatementCatalog {
     ) -> Result<StatementCatalog, StatementError> {
         let mut statements = HashMap::with_capacity(pipeline.statements.len());
         for (name, sql) in &pipeline.statements {
-            let prepared = pool
-                .prepare(sql.as_str())
-                .await
-                .map_err(|source| StatementError::Prepare {
-                    pipeline: pipeline.name.clone(),
-                    statement: name.clone(),
-                    source,
-                })?;
+            let prepared =
+                pool.prepare(sql.as_str())
+                    .await
+                    .map_err(|source| StatementError::Prepare {
+                        pipeline: pipeline.name.clone(),
+                        statement: name.clone(),
+                        source,
+                    })?;
             let params = match prepared.parameters() {
                 Some(Either::Left(types)) => types
                     .iter()
@@ -162,7 +164,10 @@ impl StatementCatalog {
     }
 
     /// Checks `effect` against its statement and converts its values to the declared types.
-    pub fn bind<'catalog>(&'catalog self, effect: &Effect) -> Result<BoundEffect<'catalog>, EffectError> {
+    pub fn bind<'catalog>(
+        &'catalog self,
+        effect: &Effect,
+    ) -> Result<BoundEffect<'catalog>, EffectError> {
         let Effect::Exec { statement, params } = effect;
         let (name, prepared) = self.statements.get_key_value(statement).ok_or_else(|| {
             let mut known: Vec<&str> = self.statements.keys().map(String::as_str).collect();
@@ -317,10 +322,11 @@ impl ParamType {
                 }
                 BoundValue::Text(Some(text.clone()))
             }
-            (ParamType::Jsonb, Value::Json(text)) => BoundValue::Jsonb(Some(
-                serde_json::from_str(text)
-                    .map_err(|error| Conversion::BadValue(format!("invalid JSON: {error}")))?,
-            )),
+            (ParamType::Jsonb, Value::Json(text)) => {
+                BoundValue::Jsonb(Some(serde_json::from_str(text).map_err(|error| {
+                    Conversion::BadValue(format!("invalid JSON: {error}"))
+                })?))
+            }
             (ParamType::Bytea, Value::Bytes(bytes)) => BoundValue::Bytea(Some(bytes.clone())),
             (ParamType::Timestamptz, Value::Timestamp(micros)) => {
                 BoundValue::Timestamptz(Some(timestamp(*micros)?))
@@ -328,10 +334,11 @@ impl ParamType {
             (ParamType::Timestamp, Value::Timestamp(micros)) => {
                 BoundValue::Timestamp(Some(timestamp(*micros)?.naive_utc()))
             }
-            (ParamType::Uuid, Value::Text(text)) => BoundValue::Uuid(Some(
-                uuid::Uuid::parse_str(text)
-                    .map_err(|error| Conversion::BadValue(format!("invalid UUID: {error}")))?,
-            )),
+            (ParamType::Uuid, Value::Text(text)) => {
+                BoundValue::Uuid(Some(uuid::Uuid::parse_str(text).map_err(|error| {
+                    Conversion::BadValue(format!("invalid UUID: {error}"))
+                })?))
+            }
             _ => return Err(Conversion::WrongType),
         })
     }
@@ -339,7 +346,9 @@ impl ParamType {
 
 fn timestamp(micros: i64) -> Result<DateTime<Utc>, Conversion> {
     DateTime::from_timestamp_micros(micros).ok_or_else(|| {
-        Conversion::BadValue(format!("{micros} microseconds is out of the timestamp range"))
+        Conversion::BadValue(format!(
+            "{micros} microseconds is out of the timestamp range"
+        ))
     })
 }
 

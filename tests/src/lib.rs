@@ -77,20 +77,14 @@ impl TestEnv {
             .run(&pool)
             .await
             .expect("host migrations apply");
-        let schema = std::fs::read_to_string(Path::new(REPO_ROOT).join("examples/loyalty/schema.sql"))
-            .expect("demo schema readable");
+        let schema =
+            std::fs::read_to_string(Path::new(REPO_ROOT).join("examples/loyalty/schema.sql"))
+                .expect("demo schema readable");
         sqlx::raw_sql(&schema)
             .execute(&pool)
             .await
             .expect("demo schema applies");
-        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-            .await
-            .expect("RabbitMQ reachable (scripts/services.sh starts it)");
-        let channel = connection.create_channel().await.expect("channel");
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .expect("confirm mode");
+        let (connection, channel) = connect_channel().await;
         let queue = format!("idem-t-{unique}");
         let dead_letter_queue = format!("{queue}.dead-letter");
         for queue_name in [&queue, &dead_letter_queue] {
@@ -155,8 +149,11 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
 
     /// A parsed config for the loyalty pipeline with `plugin`.
     pub fn config(&self, plugin: &str, extra: &str) -> Config {
-        Config::from_toml(Path::new("/tmp/idem-test.toml"), &self.config_text(plugin, extra))
-            .expect("test config is valid")
+        Config::from_toml(
+            Path::new("/tmp/idem-test.toml"),
+            &self.config_text(plugin, extra),
+        )
+        .expect("test config is valid")
     }
 
     /// Writes the config to a file, for tests that run the `idem` binary.
@@ -193,10 +190,7 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
         let mut drained = Vec::new();
         while let Some(message) = self
             .channel
-            .basic_get(
-                ShortString::from(queue),
-                BasicGetOptions { no_ack: true },
-            )
+            .basic_get(ShortString::from(queue), BasicGetOptions { no_ack: true })
             .await
             .expect("basic.get")
         {
@@ -229,7 +223,6 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
     }
 
     /// Asserts the loyalty invariants: one ledger row per claimed order, balances equal the ledger.
-    #[track_caller]
     pub async fn assert_loyalty_consistent(&self) {
         let ledger_rows = self.count("SELECT count(*) FROM point_ledger").await;
         let distinct_orders = self
@@ -255,7 +248,10 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
         for queue in [&self.queue, &self.dead_letter_queue] {
             let _ = self
                 .channel
-                .queue_delete(ShortString::from(queue.as_str()), QueueDeleteOptions::default())
+                .queue_delete(
+                    ShortString::from(queue.as_str()),
+                    QueueDeleteOptions::default(),
+                )
                 .await;
         }
         self.pool.close().await;
@@ -321,6 +317,24 @@ pub fn spawn_idem(config: &Path, env: &[(&str, &str)]) -> Child {
     command.spawn().expect("spawn idem")
 }
 
+/// A new broker connection with a channel in confirm mode; keep the connection while using the channel.
+pub async fn connect_channel() -> (Connection, Channel) {
+    connect_channel_to(&amqp_url()).await
+}
+
+/// Like [`connect_channel`], to the broker at `url`.
+pub async fn connect_channel_to(url: &str) -> (Connection, Channel) {
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ reachable (scripts/services.sh starts it)");
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm mode");
+    (connection, channel)
+}
+
 pub async fn publish(channel: &Channel, queue: &str, body: &[u8]) {
     let confirm = channel
         .basic_publish(
@@ -354,6 +368,26 @@ pub async fn queue_ready(channel: &Channel, queue: &str) -> u32 {
         .message_count()
 }
 
+/// Deliveries of `queue` that a consumer holds unacked, from `rabbitmqctl` (AMQP cannot tell).
+pub fn unacked(queue: &str) -> u64 {
+    let output = Command::new("rabbitmqctl")
+        .args([
+            "list_queues",
+            "--quiet",
+            "--no-table-headers",
+            "name",
+            "messages_unacknowledged",
+        ])
+        .output()
+        .expect("rabbitmqctl runs (it ships with rabbitmq-server)");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| line.split_once('\t'))
+        .find(|(name, _)| *name == queue)
+        .and_then(|(_, count)| count.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// An `OrderCompleted` body.
 pub fn order(order_id: i64, customer_id: i64, total_cents: i64) -> Vec<u8> {
     serde_json::json!({
@@ -383,7 +417,9 @@ where
 }
 
 fn replace_database(url: &str, database: &str) -> String {
-    let (base, query) = url.split_once('?').map_or((url, None), |(base, query)| (base, Some(query)));
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(base, query)| (base, Some(query)));
     let prefix = base.rsplit_once('/').map_or(base, |(prefix, _)| prefix);
     match query {
         Some(query) => format!("{prefix}/{database}?{query}"),

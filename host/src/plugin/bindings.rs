@@ -9,7 +9,6 @@ wasmtime::component::bindgen!({
     exports: { default: async },
 });
 
-pub use exports::idem::plugin::handler;
 pub use idem::plugin::log;
 use idem::plugin::types;
 

@@ -71,7 +71,6 @@ impl PluginRuntime {
     pub fn new() -> Result<PluginRuntime, PluginError> {
         let mut engine_config = EngineConfig::new();
         engine_config
-            .async_support(true)
             .epoch_interruption(true)
             .wasm_component_model(true);
         let engine = Engine::new(&engine_config).map_err(|error| PluginError::Invalid {
@@ -79,11 +78,12 @@ impl PluginRuntime {
             reason: format!("cannot configure the wasm engine: {error:#}"),
         })?;
         let mut linker = Linker::new(&engine);
-        let linked = wasmtime_wasi::p2::add_to_linker_async(&mut linker)
-            .and_then(|()| bindings::log::add_to_linker::<_, wasmtime::component::HasSelf<_>>(
+        let linked = wasmtime_wasi::p2::add_to_linker_async(&mut linker).and_then(|()| {
+            bindings::log::add_to_linker::<_, wasmtime::component::HasSelf<_>>(
                 &mut linker,
                 |state: &mut PluginState| state,
-            ));
+            )
+        });
         linked.map_err(|error| PluginError::Invalid {
             path: PathBuf::new(),
             reason: format!("cannot link host imports: {error:#}"),
@@ -170,7 +170,11 @@ impl PluginRuntime {
     }
 }
 
-fn classify_trap(error: &wasmtime::Error, memory_exceeded: bool, limits: &PluginLimits) -> PluginError {
+fn classify_trap(
+    error: &wasmtime::Error,
+    memory_exceeded: bool,
+    limits: &PluginLimits,
+) -> PluginError {
     if memory_exceeded {
         return PluginError::MemoryExceeded {
             limit_mib: limits.memory_mib.get(),

@@ -1,0 +1,183 @@
+//! Through the broker: publish, let the host consume, check the database and the queues.
+
+use std::time::Duration;
+
+use idem_e2e::{TestEnv, order, unacked, wait_for};
+
+/// Waits until the pipeline's queue is empty and nothing is held unacked.
+async fn wait_drained(env: &TestEnv) {
+    wait_for("the queue to drain", Duration::from_secs(60), || async {
+        env.ready(&env.queue).await == 0 && unacked(&env.queue) == 0
+    })
+    .await;
+}
+
+/// 2,000 deliveries of 1,600 orders: 200 republished later, 200 published concurrently
+/// from a second connection. Every order is credited exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_messages_with_duplicates_apply_once() {
+    let env = TestEnv::new("e2e2000").await;
+    let host = env.start_host(env.config("loyalty", ""));
+    let customer = |order_id: i64| order_id % 50;
+    let total = |order_id: i64| 100 + (order_id * 37) % 10_000;
+
+    let concurrent = {
+        let queue = env.queue.clone();
+        tokio::spawn(async move {
+            let (_connection, other) = idem_e2e::connect_channel().await;
+            for order_id in 1..=200 {
+                idem_e2e::publish(
+                    &other,
+                    &queue,
+                    &order(order_id, customer(order_id), total(order_id)),
+                )
+                .await;
+            }
+        })
+    };
+    for order_id in 1..=1600 {
+        env.publish(&order(order_id, customer(order_id), total(order_id)))
+            .await;
+    }
+    concurrent.await.expect("concurrent publisher");
+    for order_id in 801..=1000 {
+        env.publish(&order(order_id, customer(order_id), total(order_id)))
+            .await;
+    }
+
+    wait_for("1,600 ledger rows", Duration::from_secs(120), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 1600
+    })
+    .await;
+    wait_drained(&env).await;
+    host.stop().await.expect("host stops cleanly");
+
+    assert_eq!(env.ready(&env.queue).await, 0, "messages left in the queue");
+    assert_eq!(
+        env.ready(&env.dead_letter_queue).await,
+        0,
+        "messages dead-lettered"
+    );
+    env.assert_loyalty_consistent().await;
+    let expected_points: i64 = (1..=1600).map(|order_id| total(order_id) / 100).sum();
+    assert_eq!(
+        env.count("SELECT sum(points)::int8 FROM balances").await,
+        expected_points
+    );
+    env.cleanup().await;
+}
+
+/// Malformed JSON, a missing field and a negative amount are dead-lettered with their reason;
+/// the good messages around them are applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_messages_are_dead_lettered_with_a_reason() {
+    let env = TestEnv::new("poison").await;
+    let host = env.start_host(env.config("loyalty", ""));
+
+    env.publish(&order(1, 1, 1000)).await;
+    env.publish(b"{\"order_id\": 2, \"customer_id\": ").await;
+    env.publish(br#"{"order_id": 3, "total_cents": 500}"#).await;
+    env.publish(&order(4, 1, -500)).await;
+    env.publish(&[0xff, 0xfe, 0x00]).await;
+    env.publish(&order(5, 1, 2000)).await;
+
+    wait_for("five dead letters", Duration::from_secs(30), || async {
+        env.ready(&env.dead_letter_queue).await == 4
+    })
+    .await;
+    wait_drained(&env).await;
+    host.stop().await.expect("host stops cleanly");
+
+    let dead = env.drain(&env.dead_letter_queue).await;
+    let reason_of = |fragment: &str| -> String {
+        dead.iter()
+            .find(|(body, _)| body.contains(fragment))
+            .and_then(|(_, headers)| headers.iter().find(|(name, _)| name == "x-idem-reason"))
+            .map(|(_, reason)| reason.clone())
+            .unwrap_or_else(|| panic!("no dead letter whose body contains {fragment:?}: {dead:?}"))
+    };
+    assert!(reason_of("\"order_id\": 2,").contains("not valid JSON"));
+    assert!(reason_of("\"order_id\": 3,").contains("missing field \"customer_id\""));
+    assert!(reason_of("-500").contains("\"total_cents\" must not be negative"));
+    assert!(reason_of("\u{fffd}").contains("not valid JSON"));
+    for (_, headers) in &dead {
+        assert!(
+            headers
+                .iter()
+                .any(|(name, value)| name == "x-idem-error-kind" && value == "invalid-input"),
+            "{headers:?}"
+        );
+    }
+    assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, 2);
+    assert_eq!(
+        env.count("SELECT points FROM balances WHERE customer_id = 1")
+            .await,
+        30
+    );
+    assert_eq!(env.ready(&env.queue).await, 0);
+    env.cleanup().await;
+}
+
+/// A plugin that traps, loops or allocates without bound loses only its own message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misbehaving_plugin_calls_are_dead_lettered_and_the_host_keeps_serving() {
+    let env = TestEnv::new("misbehave").await;
+    let host = env.start_host(env.config(
+        "chaos",
+        "max_attempts = 3\n[pipelines.loyalty.limits]\ndeadline_ms = 300\nmemory_mib = 32",
+    ));
+    let echo = |order_id: i64| {
+        serde_json::json!({
+            "key": format!("order-completed:{order_id}"),
+            "effects": [
+                {"statement": "credit_balance", "params": [1, 10]},
+                {"statement": "record_ledger", "params": [1, order_id, 10]},
+            ]
+        })
+        .to_string()
+        .into_bytes()
+    };
+
+    env.publish(&echo(1)).await;
+    for action in ["trap", "loop", "alloc", "retry"] {
+        env.publish(format!("{{\"action\": \"{action}\"}}").as_bytes())
+            .await;
+    }
+    env.publish(&echo(2)).await;
+
+    wait_for("four dead letters", Duration::from_secs(60), || async {
+        env.ready(&env.dead_letter_queue).await == 4
+    })
+    .await;
+    wait_drained(&env).await;
+    assert!(!host.is_finished(), "the host stopped");
+    host.stop().await.expect("host stops cleanly");
+
+    let dead = env.drain(&env.dead_letter_queue).await;
+    let kind_of = |action: &str| -> String {
+        dead.iter()
+            .find(|(body, _)| body.contains(action))
+            .and_then(|(_, headers)| headers.iter().find(|(name, _)| name == "x-idem-error-kind"))
+            .map(|(_, kind)| kind.clone())
+            .unwrap_or_else(|| panic!("no dead letter for {action}: {dead:?}"))
+    };
+    assert_eq!(kind_of("trap"), "plugin-trap");
+    assert_eq!(kind_of("loop"), "plugin-deadline");
+    assert_eq!(kind_of("alloc"), "plugin-memory");
+    assert_eq!(kind_of("retry"), "retries-exhausted");
+    let retried = dead
+        .iter()
+        .find(|(body, _)| body.contains("retry"))
+        .expect("retry dead letter");
+    assert!(
+        retried
+            .1
+            .iter()
+            .any(|(name, value)| name == "x-idem-reason"
+                && value.contains("gave up after 3 attempts")),
+        "{retried:?}"
+    );
+    assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, 2);
+    env.assert_loyalty_consistent().await;
+    env.cleanup().await;
+}

@@ -1,0 +1,5 @@
+//! End-to-end tests against real PostgreSQL and RabbitMQ (start them with scripts/services.sh).
+
+mod broker;
+mod crash;
+mod dedup;
