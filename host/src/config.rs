@@ -20,6 +20,8 @@ pub struct Config {
     pub path: PathBuf,
     pub database: DatabaseConfig,
     pub amqp: AmqpConfig,
+    /// The HTTP endpoint (`/metrics`, `/healthz`, `/readyz`, `/admin/…`); none when absent.
+    pub http: Option<HttpConfig>,
     /// Pipelines by name, in name order.
     pub pipelines: Vec<PipelineConfig>,
 }
@@ -45,6 +47,18 @@ pub struct AmqpConfig {
     pub url: String,
 }
 
+/// The `[http]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Address to listen on; loopback by default.
+    #[serde(default = "default_listen")]
+    pub listen: std::net::SocketAddr,
+    /// Bearer token required on `/admin/…`; mandatory when `listen` is not a loopback address.
+    #[serde(default, deserialize_with = "interpolated_option")]
+    pub admin_token: Option<String>,
+}
+
 /// One `[pipelines.<name>]` table: a queue, a plugin and the statements it may use.
 #[derive(Debug, Clone)]
 pub struct PipelineConfig {
@@ -63,6 +77,11 @@ pub struct PipelineConfig {
     /// How many times a message is tried when the plugin says its failure is retryable.
     pub max_attempts: NonZeroU32,
     pub limits: PluginLimits,
+    /// A message body file every new plugin build must handle (decision or skip, effects
+    /// that fit their statements) before it may serve.
+    pub self_test: Option<PathBuf>,
+    /// Reload the plugin when its file changes.
+    pub watch: bool,
     /// Named SQL statements, by name.
     pub statements: BTreeMap<String, String>,
 }
@@ -169,6 +188,8 @@ impl Config {
                 dead_letter_queue,
                 max_attempts: raw.max_attempts,
                 limits: raw.limits,
+                self_test: raw.self_test.map(|self_test| base_dir.join(self_test)),
+                watch: raw.watch,
                 statements: raw
                     .statements
                     .into_inner()
@@ -179,6 +200,22 @@ impl Config {
                 name,
             });
         }
+        let http = match file.http {
+            Some(spanned) => {
+                let span = spanned.span();
+                let mut http = spanned.into_inner();
+                http.admin_token = http.admin_token.filter(|token| !token.is_empty());
+                if !http.listen.ip().is_loopback() && http.admin_token.is_none() {
+                    return Err(invalid(format!(
+                        "line {}: http.admin_token: required when http.listen ({}) is not a loopback address",
+                        line_of(text, span.start),
+                        http.listen
+                    )));
+                }
+                Some(http)
+            }
+            None => None,
+        };
         if pipelines.is_empty() {
             return Err(invalid(
                 "no pipelines: add a [pipelines.<name>] table".into(),
@@ -188,6 +225,7 @@ impl Config {
             path: path.to_path_buf(),
             database: file.database,
             amqp: file.amqp,
+            http,
             pipelines,
         })
     }
@@ -226,6 +264,7 @@ impl Default for PluginLimits {
 struct PipelinesFile {
     database: DatabaseConfig,
     amqp: AmqpConfig,
+    http: Option<Spanned<HttpConfig>>,
     #[serde(default)]
     pipelines: BTreeMap<String, RawPipeline>,
 }
@@ -250,7 +289,19 @@ struct RawPipeline {
     max_attempts: NonZeroU32,
     #[serde(default)]
     limits: PluginLimits,
+    #[serde(default, deserialize_with = "interpolated_option")]
+    self_test: Option<String>,
+    #[serde(default = "default_watch")]
+    watch: bool,
     statements: Spanned<BTreeMap<String, Spanned<String>>>,
+}
+
+fn default_listen() -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], 9464))
+}
+
+fn default_watch() -> bool {
+    true
 }
 
 fn default_max_connections() -> NonZeroU32 {
@@ -482,5 +533,9 @@ credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
             &["line 9", "IDEM_TEST_UNSET_QUEUE is not set"],
         );
         check_error("[amqp]\nurl = \"x\"\n", &["missing field `database`"]);
+        check_error(
+            &format!("{VALID}\n[http]\nlisten = \"0.0.0.0:9464\"\n"),
+            &["http.admin_token: required"],
+        );
     }
 }

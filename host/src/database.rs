@@ -83,12 +83,14 @@ pub async fn migrate(pool: &PgPool, config: &DatabaseConfig) -> Result<(), Datab
 
 /// Fails unless the claim table exists and is usable.
 pub async fn check_schema(pool: &PgPool, config: &DatabaseConfig) -> Result<(), DatabaseError> {
-    sqlx::query("SELECT consumer, message_key, processed_at FROM processed_messages LIMIT 0")
-        .execute(pool)
-        .await
-        .map(drop)
-        .map_err(|source| DatabaseError::Schema {
-            endpoint: redact_url(&config.url),
-            source,
-        })
+    sqlx::query(
+        "SELECT consumer, message_key, processed_at, plugin_digest FROM processed_messages LIMIT 0",
+    )
+    .execute(pool)
+    .await
+    .map(drop)
+    .map_err(|source| DatabaseError::Schema {
+        endpoint: redact_url(&config.url),
+        source,
+    })
 }

@@ -36,18 +36,27 @@ pub enum LedgerError {
     },
 }
 
+/// The identity of one claim.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    pub consumer: &'a str,
+    pub key: &'a str,
+    /// The digest of the plugin build that decided.
+    pub plugin_digest: &'a str,
+}
+
 /// Claims `(consumer, key)` and, only if the claim is new, runs `effects`, in one transaction.
 pub async fn apply(
     pool: &PgPool,
-    consumer: &str,
-    key: &str,
+    claim: Claim<'_>,
     effects: &[BoundEffect<'_>],
 ) -> Result<ClaimOutcome, LedgerError> {
     let transient = |source| LedgerError::Transient { source };
     let mut transaction = pool.begin().await.map_err(transient)?;
     let claimed = sqlx::query(CLAIM_SQL)
-        .bind(consumer)
-        .bind(key)
+        .bind(claim.consumer)
+        .bind(claim.key)
+        .bind(claim.plugin_digest)
         .execute(&mut *transaction)
         .await
         .map_err(|source| classify(source, "claim"))?
@@ -82,6 +91,16 @@ fn classify(source: sqlx::Error, statement: &str) -> LedgerError {
             statement: statement.to_string(),
             source,
         }
+    }
+}
+
+/// The SQLSTATE of a transient error, or `connection` when the server gave none: a metric label.
+pub fn retry_label(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(database_error) => database_error
+            .code()
+            .map_or_else(|| "unknown".to_string(), |code| code.into_owned()),
+        _ => "connection".to_string(),
     }
 }
 

@@ -13,6 +13,8 @@
 //! - [`statement`]: named statements, prepared at start-up, effects type-checked against them.
 //! - [`ledger`]: the transaction: claim, effects, commit.
 //! - [`amqp`]: lapin: connect, declare, consume, dead-letter, ack.
+//! - [`reload`]: hot swap of plugins (file watch, SIGHUP, admin call).
+//! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`, `/admin/…`.
 //! - [`database`]: the pool, migrations, schema check.
 //! - [`effect`], [`message`]: the data passed between them.
 //! - [`backoff`], [`failpoint`]: retry timing, and crash points for tests.
@@ -23,11 +25,14 @@ pub mod config;
 pub mod database;
 pub mod effect;
 pub mod failpoint;
+pub mod http;
 pub mod ledger;
 pub mod message;
+pub mod metrics;
 pub mod pipeline;
 pub mod plugin;
 pub mod process;
+pub mod reload;
 pub mod statement;
 
 use std::future::Future;
@@ -39,6 +44,8 @@ use tracing::info;
 
 use crate::config::Config;
 use crate::database::DatabaseError;
+use crate::http::HttpError;
+use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError};
 use crate::plugin::{PluginError, PluginRuntime};
 
@@ -51,6 +58,8 @@ pub enum StartError {
     Plugin(#[from] PluginError),
     #[error(transparent)]
     Pipeline(#[from] PipelineError),
+    #[error(transparent)]
+    Http(#[from] HttpError),
 }
 
 /// Runs every pipeline of `config` until `shutdown` completes, then drains: stops consuming,
@@ -60,6 +69,15 @@ pub enum StartError {
 /// for problems a restart cannot fix: a missing claim table, a plugin or statement that is
 /// invalid.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
+    run_with_metrics(config, Arc::new(Metrics::new()), shutdown).await
+}
+
+/// [`run`], recording into `metrics` (tests read them directly).
+pub async fn run_with_metrics(
+    config: Config,
+    metrics: Arc<Metrics>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), StartError> {
     let token = CancellationToken::new();
     let trigger = token.clone();
     let serving = async {
@@ -68,18 +86,45 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         };
         database::check_schema(&pool, &config.database).await?;
         let runtime = PluginRuntime::new()?;
-        let mut consumers = JoinSet::new();
+        let mut pipelines = Vec::with_capacity(config.pipelines.len());
         for pipeline_config in &config.pipelines {
-            let pipeline =
-                Pipeline::start(pipeline_config.clone(), runtime.clone(), pool.clone()).await?;
+            let pipeline = Pipeline::start(
+                pipeline_config.clone(),
+                runtime.clone(),
+                pool.clone(),
+                Arc::clone(&metrics),
+            )
+            .await?;
+            pipelines.push(Arc::new(pipeline));
+        }
+        let http = match &config.http {
+            Some(http_config) => Some(
+                http::serve(
+                    http_config,
+                    pipelines.clone(),
+                    Arc::clone(&metrics),
+                    pool.clone(),
+                    token.clone(),
+                )
+                .await?,
+            ),
+            None => None,
+        };
+        reload::spawn_watcher(pipelines.clone(), token.clone());
+        reload::spawn_sighup_listener(pipelines.clone(), token.clone());
+        let mut consumers = JoinSet::new();
+        for pipeline in &pipelines {
             consumers.spawn(pipeline::consume(
-                Arc::new(pipeline),
+                Arc::clone(pipeline),
                 config.amqp.url.clone(),
                 token.clone(),
             ));
         }
-        info!(pipelines = config.pipelines.len(), "idem is running.");
+        info!(pipelines = pipelines.len(), "idem is running.");
         while consumers.join_next().await.is_some() {}
+        if let Some(http) = http {
+            let _ = http.await;
+        }
         pool.close().await;
         Ok(())
     };

@@ -1,8 +1,9 @@
 //! One pipeline at run time: its plugin, its statements, and the consume loop that feeds
 //! deliveries to bounded workers and settles each one after its transaction.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use arc_swap::ArcSwap;
 use futures::StreamExt;
@@ -16,7 +17,9 @@ use tracing::{debug, info, warn};
 use crate::amqp::{self, AmqpError, Receipt, Session};
 use crate::backoff::Backoff;
 use crate::config::PipelineConfig;
+use crate::effect::Outcome;
 use crate::message::InboundMessage;
+use crate::metrics::Metrics;
 use crate::plugin::{LoadedPlugin, PluginError, PluginRuntime};
 use crate::process::{self, Disposition};
 use crate::statement::{StatementCatalog, StatementError};
@@ -29,6 +32,21 @@ pub struct Pipeline {
     pub plugin: ArcSwap<LoadedPlugin>,
     pub statements: StatementCatalog,
     pub pool: PgPool,
+    pub metrics: Arc<Metrics>,
+    /// The last reload attempt, for the admin status.
+    pub reload_status: Mutex<ReloadStatus>,
+    /// True while a consumer is subscribed to the queue.
+    pub consuming: AtomicBool,
+    /// Serialises reloads of this pipeline.
+    pub(crate) reload_lock: tokio::sync::Mutex<()>,
+}
+
+/// What the last reload attempt of a pipeline's plugin did.
+#[derive(Debug, Clone, Default)]
+pub struct ReloadStatus {
+    pub last_attempt_at: Option<SystemTime>,
+    /// Why the last attempt was refused; `None` after a success.
+    pub last_error: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +58,13 @@ pub enum PipelineError {
     },
     #[error(transparent)]
     Statement(#[from] StatementError),
+    #[error("pipeline {pipeline:?}: plugin {digest} failed its self-test {path:?}: {reason}")]
+    SelfTest {
+        pipeline: String,
+        digest: String,
+        path: std::path::PathBuf,
+        reason: String,
+    },
 }
 
 impl Pipeline {
@@ -48,9 +73,11 @@ impl Pipeline {
         config: PipelineConfig,
         runtime: PluginRuntime,
         pool: PgPool,
+        metrics: Arc<Metrics>,
     ) -> Result<Pipeline, PipelineError> {
         let plugin = load_plugin(&runtime, &config).await?;
         let statements = StatementCatalog::prepare(&pool, &config).await?;
+        self_test(&runtime, &config, &statements, &plugin).await?;
         info!(
             pipeline = %config.name,
             plugin = %plugin.path.display(),
@@ -64,7 +91,55 @@ impl Pipeline {
             plugin: ArcSwap::from_pointee(plugin),
             statements,
             pool,
+            metrics,
+            reload_status: Mutex::new(ReloadStatus::default()),
+            consuming: AtomicBool::new(false),
+            reload_lock: tokio::sync::Mutex::new(()),
         })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+}
+
+/// Runs `plugin` on the pipeline's self-test message, if it has one: the plugin must decide or
+/// skip, and every effect must fit its statement.
+pub async fn self_test(
+    runtime: &PluginRuntime,
+    config: &PipelineConfig,
+    statements: &StatementCatalog,
+    plugin: &LoadedPlugin,
+) -> Result<(), PipelineError> {
+    let Some(path) = &config.self_test else {
+        return Ok(());
+    };
+    let refuse = |reason: String| PipelineError::SelfTest {
+        pipeline: config.name.clone(),
+        digest: plugin.digest.clone(),
+        path: path.clone(),
+        reason,
+    };
+    let body = tokio::fs::read(path)
+        .await
+        .map_err(|error| refuse(format!("cannot read the message: {error}")))?;
+    let message = InboundMessage {
+        pipeline: config.name.clone(),
+        body,
+        routing_key: config.queue.clone(),
+        ..InboundMessage::default()
+    };
+    match runtime.invoke(plugin, &config.limits, &message).await {
+        Ok(Outcome::Skip { .. }) => Ok(()),
+        Ok(Outcome::Decision(decision)) => {
+            for effect in &decision.effects {
+                statements
+                    .bind(effect)
+                    .map_err(|error| refuse(error.to_string()))?;
+            }
+            Ok(())
+        }
+        Err(error) => Err(refuse(error.to_string())),
     }
 }
 
@@ -102,7 +177,10 @@ pub async fn consume(pipeline: Arc<Pipeline>, amqp_url: String, shutdown: Cancel
             Ok(session) => {
                 info!(pipeline = %name, queue = %pipeline.config.queue, "Consuming.");
                 backoff.reset();
-                match serve(&pipeline, session, &shutdown).await {
+                pipeline.consuming.store(true, Ordering::Relaxed);
+                let served = serve(&pipeline, session, &shutdown).await;
+                pipeline.consuming.store(false, Ordering::Relaxed);
+                match served {
                     Ok(()) => return,
                     Err(error) => error,
                 }
@@ -186,7 +264,9 @@ async fn settle(
     shutdown: &CancellationToken,
 ) {
     let name = &pipeline.config.name;
+    let received_at = Instant::now();
     let disposition = process::handle_delivery(pipeline, &message, receipt.attempt, shutdown).await;
+    let outcome = disposition.outcome();
     let acked = match disposition {
         Disposition::Ack(settled) => {
             debug!(pipeline = %name, outcome = settled.as_str(), "Settled.");
@@ -226,6 +306,9 @@ async fn settle(
         }
         Disposition::Requeue => receipt.requeue().await,
     };
+    pipeline
+        .metrics
+        .message_settled(name, outcome, received_at.elapsed());
     if !acked {
         warn!(
             pipeline = %name,

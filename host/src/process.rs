@@ -3,7 +3,7 @@
 //! Architecture invariant: this is the only place that picks a [`Disposition`], and an
 //! applied message is acked only after its transaction committed.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, warn};
@@ -11,7 +11,7 @@ use tracing::{Instrument, debug, warn};
 use crate::backoff::Backoff;
 use crate::effect::{FailureKind, Outcome};
 use crate::failpoint::Failpoint;
-use crate::ledger::{self, ClaimOutcome, LedgerError};
+use crate::ledger::{self, Claim, ClaimOutcome, LedgerError};
 use crate::message::InboundMessage;
 use crate::pipeline::Pipeline;
 use crate::plugin::PluginError;
@@ -41,6 +41,18 @@ pub enum Settled {
     Applied,
     Duplicate,
     Skipped,
+}
+
+impl Disposition {
+    /// The outcome word counted in metrics.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Disposition::Ack(settled) => settled.as_str(),
+            Disposition::DeadLetter { .. } => "rejected",
+            Disposition::Retry { .. } => "retried",
+            Disposition::Requeue => "requeued",
+        }
+    }
 }
 
 impl Settled {
@@ -79,12 +91,17 @@ async fn decide(
     attempt: u32,
     shutdown: &CancellationToken,
 ) -> Disposition {
+    // One build decides and is recorded in the claim, even if a swap happens meanwhile.
     let plugin = pipeline.plugin.load_full();
-    let outcome = match pipeline
+    let plugin_started = Instant::now();
+    let invoked = pipeline
         .runtime
         .invoke(&plugin, &pipeline.config.limits, message)
-        .await
-    {
+        .await;
+    pipeline
+        .metrics
+        .plugin_called(pipeline.name(), plugin_started.elapsed());
+    let outcome = match invoked {
         Ok(outcome) => outcome,
         Err(PluginError::Rejected(failure)) if failure.kind == FailureKind::Retryable => {
             let max_attempts = pipeline.config.max_attempts.get();
@@ -140,16 +157,19 @@ async fn decide(
             };
         }
     };
+    let claim = Claim {
+        consumer: &pipeline.config.consumer,
+        key: &decision.key,
+        plugin_digest: &plugin.digest,
+    };
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
     loop {
-        match ledger::apply(
-            &pipeline.pool,
-            &pipeline.config.consumer,
-            &decision.key,
-            &bound,
-        )
-        .await
-        {
+        let transaction_started = Instant::now();
+        let applied = ledger::apply(&pipeline.pool, claim, &bound).await;
+        pipeline
+            .metrics
+            .transaction_finished(pipeline.name(), transaction_started.elapsed());
+        match applied {
             Ok(ClaimOutcome::Applied) => {
                 Failpoint::AfterCommit.hit();
                 debug!(key = %decision.key, "Applied.");
@@ -169,6 +189,9 @@ async fn decide(
                 };
             }
             Err(LedgerError::Transient { source }) => {
+                pipeline
+                    .metrics
+                    .database_retried(pipeline.name(), &ledger::retry_label(&source));
                 let delay = backoff.next_delay();
                 warn!(
                     key = %decision.key,

@@ -10,15 +10,10 @@ use tokio_util::sync::CancellationToken;
 use idem_e2e::{TestEnv, order};
 use idem_host::message::InboundMessage;
 use idem_host::pipeline::Pipeline;
-use idem_host::plugin::PluginRuntime;
 use idem_host::process::{Disposition, Settled, handle_delivery};
 
 async fn loyalty_pipeline(env: &TestEnv) -> Pipeline {
-    let config = env.config("loyalty", "");
-    let runtime = PluginRuntime::new().expect("runtime");
-    Pipeline::start(config.pipelines[0].clone(), runtime, env.pool.clone())
-        .await
-        .expect("pipeline starts")
+    env.pipeline("loyalty", "").await
 }
 
 fn message(body: Vec<u8>) -> InboundMessage {
@@ -138,11 +133,7 @@ async fn rolled_back_claim_lets_waiting_duplicate_apply() {
 #[tokio::test]
 async fn failing_effect_rolls_back_its_claim() {
     let env = TestEnv::new("sqlfail").await;
-    let config = env.config("chaos", "");
-    let runtime = PluginRuntime::new().expect("runtime");
-    let pipeline = Pipeline::start(config.pipelines[0].clone(), runtime, env.pool.clone())
-        .await
-        .expect("pipeline starts");
+    let pipeline = env.pipeline("chaos", "").await;
     let shutdown = CancellationToken::new();
     // The second effect violates point_ledger's CHECK (points >= 0) after the first credited.
     let body = serde_json::json!({
@@ -181,11 +172,7 @@ async fn failing_effect_rolls_back_its_claim() {
 #[tokio::test]
 async fn mistyped_effects_are_rejected_with_the_statement_named() {
     let env = TestEnv::new("mistyped").await;
-    let config = env.config("chaos", "");
-    let runtime = PluginRuntime::new().expect("runtime");
-    let pipeline = Pipeline::start(config.pipelines[0].clone(), runtime, env.pool.clone())
-        .await
-        .expect("pipeline starts");
+    let pipeline = env.pipeline("chaos", "").await;
     let shutdown = CancellationToken::new();
     let cases = [
         (

@@ -156,6 +156,21 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
         .expect("test config is valid")
     }
 
+    /// The loyalty pipeline with `plugin`, started without a broker, for calling
+    /// `process::handle_delivery` directly.
+    pub async fn pipeline(&self, plugin: &str, extra: &str) -> idem_host::pipeline::Pipeline {
+        let config = self.config(plugin, extra);
+        let runtime = idem_host::plugin::PluginRuntime::new().expect("plugin runtime");
+        idem_host::pipeline::Pipeline::start(
+            config.pipelines[0].clone(),
+            runtime,
+            self.pool.clone(),
+            std::sync::Arc::new(idem_host::metrics::Metrics::new()),
+        )
+        .await
+        .expect("pipeline starts")
+    }
+
     /// Writes the config to a file, for tests that run the `idem` binary.
     pub fn write_config(&self, plugin: &str, extra: &str) -> PathBuf {
         let path = std::env::temp_dir().join(format!("{}.toml", self.database));

@@ -1,7 +1,7 @@
 //! A plugin for the host's tests: the message body says what it should do.
 //!
 //! `{"action": "trap"}` panics (a trap), `"loop"` never returns, `"alloc"` grows memory
-//! without bound, `"retry"` and `"invalid"` return failures, `"skip"` skips, `"log"` logs,
+//! without bound, `"alloc-1g"` asks for 1 GiB at once, `"retry"` and `"invalid"` return failures, `"skip"` skips, `"log"` logs,
 //! and `"echo"` returns `{"key": …, "effects": [{"statement": …, "params": [...]}]}` as given
 //! (JSON integers become `integer`, strings `text`, floats `float`, booleans `boolean`,
 //! `null` `null`; `{"json": …}` becomes `json`).
@@ -37,6 +37,11 @@ impl Guest for Chaos {
                     hoard.push(vec![1u8; 16 * 1024 * 1024]);
                     std::hint::black_box(&hoard);
                 }
+            }
+            "alloc-1g" => {
+                let gigabyte = vec![1u8; 1 << 30];
+                std::hint::black_box(&gigabyte);
+                Ok(Outcome::Skip("allocated 1 GiB".into()))
             }
             "retry" => Err(failure(FailureKind::Retryable, "chaos plugin asked to retry".into())),
             "invalid" => Err(failure(FailureKind::InvalidInput, "chaos plugin asked to fail".into())),

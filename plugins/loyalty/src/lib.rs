@@ -13,6 +13,10 @@ use idem::plugin::types::{
 };
 use serde_json::{Map, Value as Json};
 
+/// Points per 100 cents. The `double-points` build (`plugins/loyalty-bonus`) credits twice as
+/// much, so the hot-swap tests can tell which build applied an order.
+const POINTS_PER_100_CENTS: i64 = if cfg!(feature = "double-points") { 2 } else { 1 };
+
 struct Loyalty;
 
 export!(Loyalty);
@@ -35,7 +39,7 @@ impl Guest for Loyalty {
                 "field \"total_cents\" must not be negative, got {total_cents}"
             )));
         }
-        let points = total_cents / 100;
+        let points = total_cents / 100 * POINTS_PER_100_CENTS;
         Ok(Outcome::Decision(Decision {
             key: format!("order-completed:{order_id}"),
             effects: vec![

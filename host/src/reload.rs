@@ -1,0 +1,197 @@
+//! Hot swap: compile and check a new plugin build off the hot path, then swap it atomically.
+//!
+//! Triggers: the plugin file changing (watched), SIGHUP, or `POST /admin/reload/<pipeline>`.
+//! Architecture invariant: a build that fails to compile, to type-check against the world,
+//! or its pipeline's self-test is refused and the old build keeps serving. Messages in flight
+//! finish on the build they started with (they hold an `Arc` to it).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use notify::{RecursiveMode, Watcher};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::pipeline::{self, Pipeline, PipelineError};
+use crate::plugin::PluginError;
+
+/// How long the watcher waits for a file to stop changing before reloading it.
+const SETTLE: Duration = Duration::from_millis(150);
+
+/// What a reload did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reloaded {
+    /// A new build now serves.
+    Swapped { from: String, to: String },
+    /// The file holds the build already serving.
+    Unchanged { digest: String },
+}
+
+/// Loads the pipeline's plugin file again and swaps it in if it is new and passes its checks.
+pub async fn reload(pipeline: &Pipeline, trigger: &'static str) -> Result<Reloaded, PipelineError> {
+    let _one_at_a_time = pipeline.reload_lock.lock().await;
+    let result = load_and_swap(pipeline).await;
+    let name = pipeline.name();
+    let mut status = pipeline
+        .reload_status
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    status.last_attempt_at = Some(SystemTime::now());
+    match &result {
+        Ok(Reloaded::Swapped { from, to }) => {
+            status.last_error = None;
+            pipeline.metrics.plugin_reloaded(name, "applied");
+            info!(pipeline = %name, trigger, from = %from, to = %to, "Plugin swapped.");
+        }
+        Ok(Reloaded::Unchanged { digest }) => {
+            status.last_error = None;
+            pipeline.metrics.plugin_reloaded(name, "unchanged");
+            info!(pipeline = %name, trigger, digest = %digest, "Plugin file unchanged; nothing to swap.");
+        }
+        Err(refusal) => {
+            status.last_error = Some(refusal.to_string());
+            pipeline.metrics.plugin_reloaded(name, "refused");
+            error!(pipeline = %name, trigger, error = %refusal, "New plugin refused; the previous build keeps serving.");
+        }
+    }
+    result
+}
+
+async fn load_and_swap(pipeline: &Pipeline) -> Result<Reloaded, PipelineError> {
+    let config = &pipeline.config;
+    let plugin_error = |source| PipelineError::Plugin {
+        pipeline: config.name.clone(),
+        source,
+    };
+    let bytes = tokio::fs::read(&config.plugin).await.map_err(|source| {
+        plugin_error(PluginError::Read {
+            path: config.plugin.clone(),
+            source,
+        })
+    })?;
+    let current = pipeline.plugin.load_full();
+    let digest = format!("sha256:{:x}", Sha256::digest(&bytes));
+    if digest == current.digest {
+        return Ok(Reloaded::Unchanged { digest });
+    }
+    let runtime = pipeline.runtime.clone();
+    let path = config.plugin.clone();
+    let loaded = tokio::task::spawn_blocking(move || runtime.load_bytes(&path, &bytes))
+        .await
+        .unwrap_or_else(|join_error| {
+            Err(PluginError::Invalid {
+                path: config.plugin.clone(),
+                reason: format!("compilation crashed: {join_error}"),
+            })
+        })
+        .map_err(plugin_error)?;
+    pipeline::self_test(&pipeline.runtime, config, &pipeline.statements, &loaded).await?;
+    let to = loaded.digest.clone();
+    pipeline.plugin.store(Arc::new(loaded));
+    Ok(Reloaded::Swapped {
+        from: current.digest.clone(),
+        to,
+    })
+}
+
+/// Reloads a pipeline's plugin whenever its file changes, until `shutdown`.
+/// Watches each plugin's directory, so replacing the file by rename is seen too.
+pub fn spawn_watcher(pipelines: Vec<Arc<Pipeline>>, shutdown: CancellationToken) {
+    let watched: Vec<Arc<Pipeline>> = pipelines
+        .into_iter()
+        .filter(|pipeline| pipeline.config.watch)
+        .collect();
+    if watched.is_empty() {
+        return;
+    }
+    let (changed_tx, mut changed_rx) = mpsc::unbounded_channel::<PathBuf>();
+    let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        if let Ok(event) = event {
+            for path in event.paths {
+                let _ = changed_tx.send(path);
+            }
+        }
+    });
+    let mut watcher = match watcher {
+        Ok(watcher) => watcher,
+        Err(error) => {
+            warn!(%error, "Cannot watch plugin files; reload with SIGHUP or the admin endpoint.");
+            return;
+        }
+    };
+    let mut by_file: HashMap<PathBuf, Vec<Arc<Pipeline>>> = HashMap::new();
+    for pipeline in watched {
+        let file = absolute(&pipeline.config.plugin);
+        if let Some(directory) = file.parent() {
+            if let Err(error) = watcher.watch(directory, RecursiveMode::NonRecursive) {
+                warn!(pipeline = %pipeline.name(), %error, directory = %directory.display(), "Cannot watch the plugin's directory.");
+            }
+        }
+        by_file.entry(file).or_default().push(pipeline);
+    }
+    tokio::spawn(async move {
+        let _keep_watching = watcher;
+        loop {
+            let first = tokio::select! {
+                changed = changed_rx.recv() => changed,
+                () = shutdown.cancelled() => return,
+            };
+            let Some(first) = first else { return };
+            let mut changed = vec![first];
+            // Let a copy or a build finish writing before reading the file.
+            loop {
+                match tokio::time::timeout(SETTLE, changed_rx.recv()).await {
+                    Ok(Some(path)) => changed.push(path),
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            let mut reloaded: Vec<&Arc<Pipeline>> = Vec::new();
+            for path in changed {
+                if let Some(pipelines) = by_file.get(&absolute(&path)) {
+                    for pipeline in pipelines {
+                        if !reloaded.iter().any(|done| Arc::ptr_eq(done, pipeline)) {
+                            reloaded.push(pipeline);
+                        }
+                    }
+                }
+            }
+            for pipeline in reloaded {
+                let _ = reload(pipeline, "file-changed").await;
+            }
+        }
+    });
+}
+
+/// Reloads every pipeline's plugin on SIGHUP, until `shutdown`.
+pub fn spawn_sighup_listener(pipelines: Vec<Arc<Pipeline>>, shutdown: CancellationToken) {
+    #[cfg(unix)]
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut hangups = match signal(SignalKind::hangup()) {
+            Ok(hangups) => hangups,
+            Err(error) => {
+                warn!(%error, "Cannot listen for SIGHUP.");
+                return;
+            }
+        };
+        loop {
+            tokio::select! {
+                received = hangups.recv() => if received.is_none() { return },
+                () = shutdown.cancelled() => return,
+            }
+            for pipeline in &pipelines {
+                let _ = reload(pipeline, "sighup").await;
+            }
+        }
+    });
+    #[cfg(not(unix))]
+    let _ = (pipelines, shutdown);
+}
+
+fn absolute(path: &std::path::Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
