@@ -126,10 +126,10 @@ pub fn spawn_watcher(pipelines: Vec<Arc<Pipeline>>, shutdown: CancellationToken)
     let mut by_file: HashMap<PathBuf, Vec<Arc<Pipeline>>> = HashMap::new();
     for pipeline in watched {
         let file = absolute(&pipeline.config.plugin);
-        if let Some(directory) = file.parent() {
-            if let Err(error) = watcher.watch(directory, RecursiveMode::NonRecursive) {
-                warn!(pipeline = %pipeline.name(), %error, directory = %directory.display(), "Cannot watch the plugin's directory.");
-            }
+        if let Some(directory) = file.parent()
+            && let Err(error) = watcher.watch(directory, RecursiveMode::NonRecursive)
+        {
+            warn!(pipeline = %pipeline.name(), %error, directory = %directory.display(), "Cannot watch the plugin's directory.");
         }
         by_file.entry(file).or_default().push(pipeline);
     }
@@ -143,11 +143,8 @@ pub fn spawn_watcher(pipelines: Vec<Arc<Pipeline>>, shutdown: CancellationToken)
             let Some(first) = first else { return };
             let mut changed = vec![first];
             // Let a copy or a build finish writing before reading the file.
-            loop {
-                match tokio::time::timeout(SETTLE, changed_rx.recv()).await {
-                    Ok(Some(path)) => changed.push(path),
-                    Ok(None) | Err(_) => break,
-                }
+            while let Ok(Some(path)) = tokio::time::timeout(SETTLE, changed_rx.recv()).await {
+                changed.push(path);
             }
             let mut reloaded: Vec<&Arc<Pipeline>> = Vec::new();
             for path in changed {
