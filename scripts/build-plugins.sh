@@ -15,8 +15,14 @@ unset CARGO_TARGET_DIR CARGO_BUILD_TARGET RUSTFLAGS CARGO_ENCODED_RUSTFLAGS RUST
 cargo build --quiet --release --target wasm32-wasip2 \
   --manifest-path "$root/plugins/Cargo.toml" --target-dir "$root/plugins/target"
 
+# plugins/<dir>/ becomes plugins/dist/<dir>.wasm (cargo writes lib names with underscores).
+# Replaced by rename, so a host watching the file never reads a half-written one.
 mkdir -p "$root/plugins/dist"
 for wasm in "$root"/plugins/target/wasm32-wasip2/release/*.wasm; do
-  cp -p "$wasm" "$root/plugins/dist/$(basename "$wasm")"
+  name="$(basename "$wasm" .wasm)"
+  target="$root/plugins/dist/${name//_/-}.wasm"
+  if ! cmp -s "$wasm" "$target"; then
+    cp -p "$wasm" "$target.tmp" && mv -f "$target.tmp" "$target"
+  fi
 done
 ls "$root/plugins/dist"

@@ -10,8 +10,9 @@ use crate::failpoint::Failpoint;
 use crate::statement::BoundEffect;
 
 /// The guide's Step 2 claim: zero rows affected means another delivery already applied it.
-const CLAIM_SQL: &str =
-    "INSERT INTO processed_messages (consumer, message_key) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+/// The claim also records which plugin build decided (`plugin_digest`).
+const CLAIM_SQL: &str = "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
+     VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
 
 /// What the transaction decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -165,6 +165,16 @@ impl Metrics {
             .get()
     }
 
+    /// The count of reload attempts of `pipeline` that ended as `result`.
+    pub fn plugin_reloads(&self, pipeline: &str, result: &'static str) -> u64 {
+        self.plugin_reloads
+            .get_or_create(&ReloadLabels {
+                pipeline: pipeline.to_string(),
+                result,
+            })
+            .get()
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn encode(&self) -> String {
         let mut text = String::new();

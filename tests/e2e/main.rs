@@ -3,3 +3,5 @@
 mod broker;
 mod crash;
 mod dedup;
+mod hot_swap;
+mod sandbox;

@@ -20,6 +20,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use idem_host::config::Config;
+use idem_host::metrics::Metrics;
+use std::sync::Arc;
 
 /// Where the test plugins were built (`plugins/dist`).
 pub const PLUGIN_DIST: &str = env!("IDEM_PLUGIN_DIST");
@@ -50,6 +52,7 @@ pub struct TestEnv {
     pub queue: String,
     pub dead_letter_queue: String,
     pub channel: Channel,
+    extra_queue_names: std::sync::Mutex<Vec<String>>,
     _connection: Connection,
 }
 
@@ -88,17 +91,7 @@ impl TestEnv {
         let queue = format!("idem-t-{unique}");
         let dead_letter_queue = format!("{queue}.dead-letter");
         for queue_name in [&queue, &dead_letter_queue] {
-            channel
-                .queue_declare(
-                    ShortString::from(queue_name.as_str()),
-                    QueueDeclareOptions {
-                        durable: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .expect("declare test queue");
+            declare_durable(&channel, queue_name).await;
         }
         TestEnv {
             name: name.to_string(),
@@ -108,43 +101,49 @@ impl TestEnv {
             queue,
             dead_letter_queue,
             channel,
+            extra_queue_names: std::sync::Mutex::new(Vec::new()),
             _connection: connection,
         }
     }
 
     /// The `pipelines.toml` text for the loyalty pipeline with `plugin`, pointed at this env.
+    /// `extra` is inserted into the pipeline's table (keys, then sub-tables).
     pub fn config_text(&self, plugin: &str, extra: &str) -> String {
         format!(
-            r#"
-[database]
-url = "{database_url}"
-max_connections = 20
-
-[amqp]
-url = "{amqp_url}"
-
-[pipelines.loyalty]
-queue = "{queue}"
-consumer = "loyalty"
-plugin = "{plugin_path}"
-dead_letter_queue = "{dead_letter_queue}"
-prefetch = 64
-workers = 8
-{extra}
-
-[pipelines.loyalty.statements]
-credit_balance = """
-INSERT INTO balances (customer_id, points) VALUES ($1, $2)
-ON CONFLICT (customer_id) DO UPDATE SET points = balances.points + EXCLUDED.points
-"""
-record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES ($1, $2, $3)"
-"#,
-            database_url = self.database_url,
-            amqp_url = amqp_url(),
-            queue = self.queue,
-            dead_letter_queue = self.dead_letter_queue,
-            plugin_path = plugin_path(plugin).display(),
+            "{}{}",
+            self.config_header(),
+            pipeline_table(
+                "loyalty",
+                &self.queue,
+                &self.dead_letter_queue,
+                &plugin_path(plugin),
+                extra
+            )
         )
+    }
+
+    /// The `[database]` and `[amqp]` tables for this env.
+    pub fn config_header(&self) -> String {
+        format!(
+            "[database]\nurl = \"{}\"\nmax_connections = 20\n\n[amqp]\nurl = \"{}\"\n",
+            self.database_url,
+            amqp_url()
+        )
+    }
+
+    /// Declares another queue pair for this test (`<queue>-<suffix>` and its dead-letter queue);
+    /// [`TestEnv::cleanup`] deletes them.
+    pub async fn extra_queues(&self, suffix: &str) -> (String, String) {
+        let queue = format!("{}-{suffix}", self.queue);
+        let dead_letter_queue = format!("{queue}.dead-letter");
+        for queue_name in [&queue, &dead_letter_queue] {
+            declare_durable(&self.channel, queue_name).await;
+            self.extra_queue_names
+                .lock()
+                .expect("queue list")
+                .push(queue_name.clone());
+        }
+        (queue, dead_letter_queue)
     }
 
     /// A parsed config for the loyalty pipeline with `plugin`.
@@ -180,10 +179,15 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
 
     /// Starts the host in this process; stop it with [`Host::stop`].
     pub fn start_host(&self, config: Config) -> Host {
+        self.start_host_with_metrics(config, Arc::new(Metrics::new()))
+    }
+
+    /// Starts the host in this process, recording into `metrics`.
+    pub fn start_host_with_metrics(&self, config: Config, metrics: Arc<Metrics>) -> Host {
         let token = CancellationToken::new();
         let shutdown = token.clone();
         let task = tokio::spawn(async move {
-            idem_host::run(config, async move { shutdown.cancelled().await })
+            idem_host::run_with_metrics(config, metrics, async move { shutdown.cancelled().await })
                 .await
                 .map_err(|error| error.to_string())
         });
@@ -260,7 +264,9 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
 
     /// Drops the database and deletes the queues. Call at the end of a passing test.
     pub async fn cleanup(self) {
-        for queue in [&self.queue, &self.dead_letter_queue] {
+        let mut queues = vec![self.queue.clone(), self.dead_letter_queue.clone()];
+        queues.extend(self.extra_queue_names.lock().expect("queue list").drain(..));
+        for queue in &queues {
             let _ = self
                 .channel
                 .queue_delete(
@@ -330,6 +336,96 @@ pub fn spawn_idem(config: &Path, env: &[(&str, &str)]) -> Child {
         command.env(name, value);
     }
     command.spawn().expect("spawn idem")
+}
+
+/// The `[pipelines.<name>]` table of a loyalty-shaped pipeline (the demo's two statements).
+pub fn pipeline_table(
+    name: &str,
+    queue: &str,
+    dead_letter_queue: &str,
+    plugin: &Path,
+    extra: &str,
+) -> String {
+    format!(
+        r#"
+[pipelines.{name}]
+queue = "{queue}"
+consumer = "{name}"
+plugin = "{plugin}"
+dead_letter_queue = "{dead_letter_queue}"
+prefetch = 64
+workers = 8
+{extra}
+
+[pipelines.{name}.statements]
+credit_balance = """
+INSERT INTO balances (customer_id, points) VALUES ($1, $2)
+ON CONFLICT (customer_id) DO UPDATE SET points = balances.points + EXCLUDED.points
+"""
+record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES ($1, $2, $3)"
+"#,
+        plugin = plugin.display(),
+    )
+}
+
+async fn declare_durable(channel: &Channel, queue: &str) {
+    channel
+        .queue_declare(
+            ShortString::from(queue),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare test queue");
+}
+
+/// A free loopback port for a host's HTTP endpoint.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// A minimal HTTP/1.1 request to 127.0.0.1:`port`; returns the status code and the body.
+pub async fn http_request(
+    port: u16,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the host's HTTP endpoint");
+    let authorization = token.map_or(String::new(), |token| {
+        format!("Authorization: Bearer {token}\r\n")
+    });
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{authorization}Content-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .expect("send request");
+    let mut response = Vec::new();
+    stream
+        .read_to_end(&mut response)
+        .await
+        .expect("read response");
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, body)| body.to_string());
+    (status, body)
 }
 
 /// A new broker connection with a channel in confirm mode; keep the connection while using the channel.

@@ -1,0 +1,148 @@
+//! Plugins are user code: a runaway plugin loses its own message and nothing else.
+
+use std::time::{Duration, Instant};
+
+use idem_e2e::{TestEnv, order, pipeline_table, plugin_path, unacked, wait_for};
+
+/// Peak resident memory of this test process, in MiB.
+fn peak_rss_mib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with("VmHWM:"))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib / 1024)
+}
+
+/// An infinite loop, a 1 GiB allocation, unbounded growth and a trap in one pipeline each
+/// dead-letter their message within the deadline, while a healthy pipeline in the same host
+/// credits 1,000 orders correctly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runaway_plugins_are_dead_lettered_while_a_healthy_pipeline_serves() {
+    let env = TestEnv::new("runaway").await;
+    let (chaos_queue, chaos_dead_letters) = env.extra_queues("chaos").await;
+    let config_text = format!(
+        "{}{}{}",
+        env.config_header(),
+        pipeline_table(
+            "loyalty",
+            &env.queue,
+            &env.dead_letter_queue,
+            &plugin_path("loyalty"),
+            ""
+        ),
+        pipeline_table(
+            "chaos",
+            &chaos_queue,
+            &chaos_dead_letters,
+            &plugin_path("chaos"),
+            "[pipelines.chaos.limits]\ndeadline_ms = 500\nmemory_mib = 64",
+        ),
+    );
+    let config = idem_host::config::Config::from_toml(
+        std::path::Path::new("/tmp/runaway.toml"),
+        &config_text,
+    )
+    .expect("valid config");
+    let host = env.start_host(config);
+
+    // The infinite loop alone first, to time it against its 500 ms deadline.
+    let published = Instant::now();
+    idem_e2e::publish(&env.channel, &chaos_queue, br#"{"action": "loop"}"#).await;
+    wait_for(
+        "the looping message to be dead-lettered",
+        Duration::from_secs(20),
+        || async { env.ready(&chaos_dead_letters).await == 1 },
+    )
+    .await;
+    let loop_elapsed = published.elapsed();
+    assert!(
+        loop_elapsed < Duration::from_millis(2_500),
+        "the looping plugin took {loop_elapsed:?} to be stopped (deadline 500 ms)"
+    );
+
+    let loyalty = {
+        let queue = env.queue.clone();
+        tokio::spawn(async move {
+            let (_connection, channel) = idem_e2e::connect_channel().await;
+            for order_id in 1..=1000 {
+                idem_e2e::publish(
+                    &channel,
+                    &queue,
+                    &order(order_id, order_id % 10, 1000 + order_id),
+                )
+                .await;
+            }
+        })
+    };
+    for action in ["alloc-1g", "alloc", "trap", "loop"] {
+        idem_e2e::publish(
+            &env.channel,
+            &chaos_queue,
+            format!("{{\"action\": \"{action}\"}}").as_bytes(),
+        )
+        .await;
+    }
+    loyalty.await.expect("publisher");
+
+    wait_for("1,000 ledger rows", Duration::from_secs(120), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 1000
+    })
+    .await;
+    wait_for(
+        "five chaos dead letters",
+        Duration::from_secs(30),
+        || async { env.ready(&chaos_dead_letters).await == 5 },
+    )
+    .await;
+    wait_for("both queues to drain", Duration::from_secs(30), || async {
+        env.ready(&env.queue).await == 0
+            && env.ready(&chaos_queue).await == 0
+            && unacked(&env.queue) == 0
+            && unacked(&chaos_queue) == 0
+    })
+    .await;
+    assert!(!host.is_finished(), "the host stopped");
+    host.stop().await.expect("host stops cleanly");
+
+    let dead = env.drain(&chaos_dead_letters).await;
+    let kinds: Vec<(String, String)> = dead
+        .iter()
+        .map(|(body, headers)| {
+            let kind = headers
+                .iter()
+                .find(|(name, _)| name == "x-idem-error-kind")
+                .map(|(_, kind)| kind.clone())
+                .unwrap_or_default();
+            (body.clone(), kind)
+        })
+        .collect();
+    let kind_of = |action: &str| -> Vec<&str> {
+        kinds
+            .iter()
+            .filter(|(body, _)| body.contains(&format!("\"{action}\"")))
+            .map(|(_, kind)| kind.as_str())
+            .collect()
+    };
+    assert_eq!(
+        kind_of("loop"),
+        ["plugin-deadline", "plugin-deadline"],
+        "{kinds:?}"
+    );
+    assert_eq!(kind_of("alloc-1g"), ["plugin-memory"], "{kinds:?}");
+    assert_eq!(kind_of("alloc"), ["plugin-memory"], "{kinds:?}");
+    assert_eq!(kind_of("trap"), ["plugin-trap"], "{kinds:?}");
+    assert_eq!(env.ready(&env.dead_letter_queue).await, 0);
+    env.assert_loyalty_consistent().await;
+    // A 1 GiB allocation that had been allowed would have shown in the peak.
+    let peak = peak_rss_mib();
+    assert!(
+        peak < 900,
+        "peak RSS {peak} MiB: a plugin's allocation escaped its limit"
+    );
+    env.cleanup().await;
+}
