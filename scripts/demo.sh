@@ -50,6 +50,10 @@ for _ in $(seq 1 600); do
   sleep 0.2
 done
 elapsed_ms=$(( ($(date +%s%N) - start_ns) / 1000000 ))
+outcomes=""
+if command -v curl >/dev/null; then
+  outcomes="$(curl -fsS http://127.0.0.1:9464/metrics | grep '^idem_messages_total' || true)"
+fi
 
 kill -TERM "$pid"
 wait "$pid"
@@ -67,3 +71,7 @@ echo "top balances:"
 psql "$DATABASE_URL" -P pager=off -c "SELECT customer_id, points FROM balances ORDER BY points DESC, customer_id LIMIT 5"
 echo "dead-lettered messages (malformed input, reason in the x-idem-reason header): $(queue_depth "$queue.dead-letter")"
 echo "messages left in $queue: $(queue_depth "$queue")"
+if [ -n "$outcomes" ]; then
+  echo "outcomes counted by the host (/metrics):"
+  echo "$outcomes"
+fi

@@ -149,6 +149,124 @@ impl Session {
     }
 }
 
+/// Queue depths as the broker reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueDepth {
+    /// Messages ready for delivery.
+    pub ready: u32,
+    /// Consumers subscribed.
+    pub consumers: u32,
+}
+
+/// Connects once, for the operator commands.
+pub async fn connect_channel(
+    amqp_url: &str,
+    purpose: &str,
+) -> Result<(Connection, Channel), AmqpError> {
+    let connect_error = |source| AmqpError::Connect {
+        endpoint: redact_url(amqp_url),
+        source,
+    };
+    let properties = ConnectionProperties::default()
+        .with_connection_name(LongString::from(format!("idem {purpose}")));
+    let connection = Connection::connect(amqp_url, properties)
+        .await
+        .map_err(connect_error)?;
+    let channel = connection.create_channel().await.map_err(connect_error)?;
+    Ok((connection, channel))
+}
+
+/// The depth of `queue`, or `None` if it does not exist.
+pub async fn queue_depth(amqp_url: &str, queue: &str) -> Result<Option<QueueDepth>, AmqpError> {
+    let (connection, channel) = connect_channel(amqp_url, "status").await?;
+    let declared = channel
+        .queue_declare(
+            ShortString::from(queue),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    let _ = connection.close(200, ShortString::from("done")).await;
+    Ok(declared.ok().map(|declared| QueueDepth {
+        ready: declared.message_count(),
+        consumers: declared.consumer_count(),
+    }))
+}
+
+/// Moves up to `limit` messages from the pipeline's dead-letter queue back to its queue,
+/// without the `x-idem-*` headers (so retries start over). Each move is confirmed by the
+/// broker before the dead letter is acked. Safe because of the claims: a message that had
+/// been applied before is recognised as a duplicate. Returns how many were moved.
+pub async fn replay(
+    amqp_url: &str,
+    pipeline: &PipelineConfig,
+    limit: Option<u64>,
+) -> Result<u64, AmqpError> {
+    let (connection, channel) = connect_channel(amqp_url, "replay").await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|source| AmqpError::Topology {
+            action: "enable publisher confirms for replay into",
+            queue: pipeline.queue.clone(),
+            source,
+        })?;
+    let mut moved = 0;
+    while limit.is_none_or(|limit| moved < limit) {
+        let got = channel
+            .basic_get(
+                ShortString::from(pipeline.dead_letter_queue.as_str()),
+                lapin::options::BasicGetOptions { no_ack: false },
+            )
+            .await
+            .map_err(|source| AmqpError::Topology {
+                action: "read from",
+                queue: pipeline.dead_letter_queue.clone(),
+                source,
+            })?;
+        let Some(message) = got else { break };
+        let delivery = message.delivery;
+        let headers: FieldTable = delivery
+            .properties
+            .headers()
+            .as_ref()
+            .map(|table| {
+                table
+                    .inner()
+                    .iter()
+                    .filter(|(name, _)| !name.as_str().starts_with("x-idem-"))
+                    .map(|(name, value)| (name.clone(), value.clone()))
+                    .collect::<std::collections::BTreeMap<_, _>>()
+                    .into()
+            })
+            .unwrap_or_default();
+        let receipt = Receipt {
+            acker: delivery.acker,
+            delivery_tag: delivery.delivery_tag,
+            properties: delivery.properties,
+            body: delivery.data,
+            attempt: 1,
+        };
+        receipt
+            .publish_copy(&channel, &pipeline.queue, headers)
+            .await?;
+        if !receipt.ack().await {
+            return Err(AmqpError::Publish {
+                queue: pipeline.dead_letter_queue.clone(),
+                reason: "the dead letter was copied but could not be acked; it may be replayed twice (harmless: the claim dedups)".into(),
+            });
+        }
+        moved += 1;
+    }
+    let _ = connection
+        .close(200, ShortString::from("replay done"))
+        .await;
+    Ok(moved)
+}
+
 /// Splits a delivery into what the plugin sees and what the host keeps to settle it.
 pub fn receive(pipeline: &str, delivery: lapin::message::Delivery) -> (InboundMessage, Receipt) {
     let headers: Vec<(String, String)> = delivery

@@ -77,6 +77,7 @@ pub struct PipelineConfig {
     /// How many times a message is tried when the plugin says its failure is retryable.
     pub max_attempts: NonZeroU32,
     pub limits: PluginLimits,
+    pub retention: RetentionConfig,
     /// A message body file every new plugin build must handle (decision or skip, effects
     /// that fit their statements) before it may serve.
     pub self_test: Option<PathBuf>,
@@ -92,6 +93,36 @@ pub struct PipelineConfig {
 pub enum ClaimMode {
     /// A row in `processed_messages` keyed by `(consumer, key)`, inserted in the effects' transaction.
     Ledger,
+}
+
+/// The `[pipelines.<name>.retention]` table: how long claims are kept (the guide's Step 5).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionConfig {
+    /// Claims older than this are deleted: the longest redelivery or replay you accept
+    /// (`30d` by default). A replay older than the window would apply again.
+    #[serde(default = "default_window", deserialize_with = "duration")]
+    pub window: Duration,
+    /// Rows deleted per statement; small batches keep locks and WAL bursts short.
+    #[serde(default = "default_batch_size")]
+    pub batch_size: NonZeroU32,
+    /// Pause between batches.
+    #[serde(default = "default_pause", deserialize_with = "duration")]
+    pub pause: Duration,
+    /// How often `idem run` cleans (`0s` turns the background cleaning off; `idem cleanup` still works).
+    #[serde(default = "default_every", deserialize_with = "duration")]
+    pub every: Duration,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            window: default_window(),
+            batch_size: default_batch_size(),
+            pause: default_pause(),
+            every: default_every(),
+        }
+    }
 }
 
 /// What one plugin call may consume before its message is rejected.
@@ -188,6 +219,7 @@ impl Config {
                 dead_letter_queue,
                 max_attempts: raw.max_attempts,
                 limits: raw.limits,
+                retention: raw.retention,
                 self_test: raw.self_test.map(|self_test| base_dir.join(self_test)),
                 watch: raw.watch,
                 statements: raw
@@ -289,6 +321,8 @@ struct RawPipeline {
     max_attempts: NonZeroU32,
     #[serde(default)]
     limits: PluginLimits,
+    #[serde(default)]
+    retention: RetentionConfig,
     #[serde(default, deserialize_with = "interpolated_option")]
     self_test: Option<String>,
     #[serde(default = "default_watch")]
@@ -298,6 +332,27 @@ struct RawPipeline {
 
 fn default_listen() -> std::net::SocketAddr {
     std::net::SocketAddr::from(([127, 0, 0, 1], 9464))
+}
+
+fn default_window() -> Duration {
+    Duration::from_secs(30 * 86_400)
+}
+
+fn default_batch_size() -> NonZeroU32 {
+    NonZeroU32::new(10_000).expect("non-zero literal")
+}
+
+fn default_pause() -> Duration {
+    Duration::from_millis(50)
+}
+
+fn default_every() -> Duration {
+    Duration::from_secs(3_600)
+}
+
+fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    parse_duration(&text).map_err(serde::de::Error::custom)
 }
 
 fn default_watch() -> bool {
@@ -344,6 +399,29 @@ pub fn redact_url(url: &str) -> String {
             format!("{scheme}://{host}")
         }
         None => url.to_string(),
+    }
+}
+
+/// Parses `30d`, `12h`, `90m`, `45s` or `250ms`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|character: char| !character.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration like 30d, 12h, 90m, 45s or 250ms"))?;
+    let seconds = |factor: u64| Duration::from_secs(number.saturating_mul(factor));
+    match unit {
+        "d" => Ok(seconds(86_400)),
+        "h" => Ok(seconds(3_600)),
+        "m" => Ok(seconds(60)),
+        "s" => Ok(seconds(1)),
+        "ms" => Ok(Duration::from_millis(number)),
+        _ => Err(format!(
+            "{text:?} has no known unit: write 30d, 12h, 90m, 45s or 250ms"
+        )),
     }
 }
 
@@ -434,6 +512,28 @@ mod tests {
         check_redact("amqp://127.0.0.1", "amqp://127.0.0.1");
         check_redact("postgres://u:p@w@host/db", "postgres://host/db");
         check_redact("not a url", "not a url");
+    }
+
+    #[track_caller]
+    fn check_duration(text: &str, expected: Result<Duration, &str>) {
+        match (parse_duration(text), expected) {
+            (Ok(actual), Ok(expected)) => assert_eq!(actual, expected),
+            (Err(error), Err(fragment)) => assert!(error.contains(fragment), "{error}"),
+            (actual, expected) => panic!("{text:?}: {actual:?} vs {expected:?}"),
+        }
+    }
+
+    #[test]
+    fn duration_parsing() {
+        check_duration("30d", Ok(Duration::from_secs(30 * 86_400)));
+        check_duration("12h", Ok(Duration::from_secs(12 * 3_600)));
+        check_duration("90m", Ok(Duration::from_secs(90 * 60)));
+        check_duration("45s", Ok(Duration::from_secs(45)));
+        check_duration("250ms", Ok(Duration::from_millis(250)));
+        check_duration("0s", Ok(Duration::ZERO));
+        check_duration("30", Err("no known unit"));
+        check_duration("d", Err("not a duration"));
+        check_duration("3w", Err("no known unit"));
     }
 
     #[track_caller]

@@ -14,6 +14,7 @@
 //! - [`ledger`]: the transaction: claim, effects, commit.
 //! - [`amqp`]: lapin: connect, declare, consume, dead-letter, ack.
 //! - [`reload`]: hot swap of plugins (file watch, SIGHUP, admin call).
+//! - [`retention`]: batched deletion of claims older than the window.
 //! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`, `/admin/…`.
 //! - [`database`]: the pool, migrations, schema check.
 //! - [`effect`], [`message`]: the data passed between them.
@@ -33,6 +34,7 @@ pub mod pipeline;
 pub mod plugin;
 pub mod process;
 pub mod reload;
+pub mod retention;
 pub mod statement;
 
 use std::future::Future;
@@ -112,6 +114,12 @@ pub async fn run_with_metrics(
         };
         reload::spawn_watcher(pipelines.clone(), token.clone());
         reload::spawn_sighup_listener(pipelines.clone(), token.clone());
+        retention::spawn_cleaner(
+            &pipelines,
+            pool.clone(),
+            Arc::clone(&metrics),
+            token.clone(),
+        );
         let mut consumers = JoinSet::new();
         for pipeline in &pipelines {
             consumers.spawn(pipeline::consume(

@@ -12,7 +12,8 @@ use idem_host::effect::{Effect, Outcome, Value};
 use idem_host::message::InboundMessage;
 use idem_host::plugin::{PluginError, PluginRuntime};
 use idem_host::statement::StatementCatalog;
-use idem_host::{database, pipeline};
+use idem_host::{amqp, database, pipeline, retention};
+use sha2::Digest;
 
 /// Exactly-once database effects from at-least-once message delivery.
 #[derive(Parser)]
@@ -51,6 +52,26 @@ enum Command {
     },
     /// Validate the config, compile every plugin and prepare every statement; list every problem.
     Check {
+        #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
+        config: PathBuf,
+    },
+    /// Delete claims older than each pipeline's retention window, in batches, once.
+    Cleanup {
+        #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
+        config: PathBuf,
+    },
+    /// Move dead-lettered messages back to their pipeline's queue (safe: claims dedup them).
+    Replay {
+        #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
+        config: PathBuf,
+        #[arg(long, short)]
+        pipeline: String,
+        /// Move at most this many messages.
+        #[arg(long)]
+        limit: Option<u64>,
+    },
+    /// Pipelines, plugin builds, queue and dead-letter depths, claims.
+    Status {
         #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
         config: PathBuf,
     },
@@ -104,6 +125,51 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Check { config } => check(&config).await,
+        Command::Cleanup { config } => {
+            let config = Config::load(&config)?;
+            let pool = database::connect_once(&config.database).await?;
+            let pipelines: Vec<_> = config
+                .pipelines
+                .iter()
+                .map(|pipeline| {
+                    (
+                        pipeline.name.clone(),
+                        pipeline.consumer.clone(),
+                        pipeline.retention.clone(),
+                    )
+                })
+                .collect();
+            let never = tokio_util::sync::CancellationToken::new();
+            match retention::clean_all(&pool, &pipelines, None, &never).await? {
+                retention::Pass::Cleaned(deleted) => {
+                    for (consumer, count) in deleted {
+                        println!("consumer {consumer:?}: {count} claims deleted");
+                    }
+                    Ok(ExitCode::SUCCESS)
+                }
+                retention::Pass::Busy => {
+                    println!("another idem host is cleaning right now; nothing done");
+                    Ok(ExitCode::FAILURE)
+                }
+            }
+        }
+        Command::Replay {
+            config,
+            pipeline,
+            limit,
+        } => {
+            let config = Config::load(&config)?;
+            let pipeline_config = config.pipeline(&pipeline).with_context(|| {
+                format!("no pipeline {pipeline:?} in {}", config.path.display())
+            })?;
+            let moved = amqp::replay(&config.amqp.url, pipeline_config, limit).await?;
+            println!(
+                "replayed {moved} messages from {:?} to {:?}",
+                pipeline_config.dead_letter_queue, pipeline_config.queue
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Status { config } => status(&config).await,
         Command::Try {
             config,
             pipeline,
@@ -141,7 +207,9 @@ async fn check(path: &Path) -> anyhow::Result<ExitCode> {
                         pipeline_config.name,
                         pipeline_config.statements.len()
                     ),
-                    Err(error) => problems.push(error.to_string()),
+                    Err(errors) => {
+                        problems.extend(errors.0.iter().map(ToString::to_string));
+                    }
                 }
             }
         }
@@ -156,6 +224,57 @@ async fn check(path: &Path) -> anyhow::Result<ExitCode> {
         println!("{} problem(s) found", problems.len());
         Ok(ExitCode::FAILURE)
     }
+}
+
+async fn status(path: &Path) -> anyhow::Result<ExitCode> {
+    let config = Config::load(path)?;
+    let pool = database::connect_once(&config.database).await.ok();
+    for pipeline_config in &config.pipelines {
+        println!(
+            "pipeline {:?} (consumer {:?})",
+            pipeline_config.name, pipeline_config.consumer
+        );
+        let plugin = match std::fs::read(&pipeline_config.plugin) {
+            Ok(bytes) => format!("sha256:{:x}", sha2::Sha256::digest(&bytes)),
+            Err(error) => format!("unreadable: {error}"),
+        };
+        println!(
+            "  plugin file   {} ({plugin})",
+            pipeline_config.plugin.display()
+        );
+        for (label, queue) in [
+            ("queue", &pipeline_config.queue),
+            ("dead letters", &pipeline_config.dead_letter_queue),
+        ] {
+            let depth = match amqp::queue_depth(&config.amqp.url, queue).await {
+                Ok(Some(depth)) => format!("{} ready, {} consumers", depth.ready, depth.consumers),
+                Ok(None) => "not declared yet".to_string(),
+                Err(error) => format!("unknown ({error})"),
+            };
+            println!("  {label:<13} {queue:?}: {depth}");
+        }
+        if let Some(pool) = &pool {
+            let claims: Result<(i64, Option<f64>), _> = sqlx::query_as(
+                "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
+                 FROM processed_messages WHERE consumer = $1",
+            )
+            .bind(&pipeline_config.consumer)
+            .fetch_one(pool)
+            .await;
+            match claims {
+                Ok((count, oldest)) => println!(
+                    "  claims        {count} (oldest {}, window {:?})",
+                    oldest.map_or("-".to_string(), |seconds| format!("{:.0} s ago", seconds)),
+                    pipeline_config.retention.window
+                ),
+                Err(error) => println!("  claims        unknown ({error})"),
+            }
+        }
+    }
+    if pool.is_none() {
+        println!("(database unreachable: claims not shown)");
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn try_message(path: &Path, pipeline_name: &str, message: &Path) -> anyhow::Result<ExitCode> {

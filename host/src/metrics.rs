@@ -20,6 +20,7 @@ pub struct Metrics {
     end_to_end_seconds: Family<PipelineLabels, Histogram>,
     database_retries: Family<RetryLabels, Counter>,
     plugin_reloads: Family<ReloadLabels, Counter>,
+    claims_deleted: Family<PipelineLabels, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -101,8 +102,15 @@ impl Metrics {
             "Plugin reload attempts, by result (applied, refused, unchanged)",
             plugin_reloads.clone(),
         );
+        let claims_deleted = Family::<PipelineLabels, Counter>::default();
+        registry.register(
+            "claims_deleted",
+            "Claims deleted by retention",
+            claims_deleted.clone(),
+        );
         Metrics {
             registry,
+            claims_deleted,
             messages,
             plugin_seconds,
             transaction_seconds,
@@ -153,6 +161,12 @@ impl Metrics {
                 result,
             })
             .inc();
+    }
+
+    pub fn claims_deleted(&self, pipeline: &str, deleted: u64) {
+        self.claims_deleted
+            .get_or_create(&pipeline_labels(pipeline))
+            .inc_by(deleted);
     }
 
     /// The count of messages of `pipeline` that ended as `outcome`.

@@ -22,7 +22,7 @@ use crate::message::InboundMessage;
 use crate::metrics::Metrics;
 use crate::plugin::{LoadedPlugin, PluginError, PluginRuntime};
 use crate::process::{self, Disposition};
-use crate::statement::{StatementCatalog, StatementError};
+use crate::statement::{StatementCatalog, StatementErrors};
 
 /// Everything a worker needs to handle a message of this pipeline.
 pub struct Pipeline {
@@ -57,7 +57,7 @@ pub enum PipelineError {
         source: PluginError,
     },
     #[error(transparent)]
-    Statement(#[from] StatementError),
+    Statement(#[from] StatementErrors),
     #[error("pipeline {pipeline:?}: plugin {digest} failed its self-test {path:?}: {reason}")]
     SelfTest {
         pipeline: String,

@@ -86,6 +86,11 @@ pub enum StatementError {
     },
 }
 
+/// Every statement of a pipeline that cannot serve, so `idem check` lists them all at once.
+#[derive(Debug, thiserror::Error)]
+#[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+pub struct StatementErrors(pub Vec<StatementError>);
+
 /// An effect that does not fit its statement: the message is rejected, nothing runs.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum EffectError {
@@ -119,43 +124,28 @@ pub enum EffectError {
 }
 
 impl StatementCatalog {
-    /// Prepares every statement of `pipeline` and records its parameter types.
+    /// Prepares every statement of `pipeline` and records its parameter types; reports every
+    /// statement that cannot serve, not only the first.
     pub async fn prepare(
         pool: &PgPool,
         pipeline: &PipelineConfig,
-    ) -> Result<StatementCatalog, StatementError> {
+    ) -> Result<StatementCatalog, StatementErrors> {
         let mut statements = HashMap::with_capacity(pipeline.statements.len());
+        let mut errors = Vec::new();
         for (name, sql) in &pipeline.statements {
-            let prepared =
-                pool.prepare(sql.as_str())
-                    .await
-                    .map_err(|source| StatementError::Prepare {
-                        pipeline: pipeline.name.clone(),
-                        statement: name.clone(),
-                        source,
-                    })?;
-            let params = match prepared.parameters() {
-                Some(Either::Left(types)) => types
-                    .iter()
-                    .enumerate()
-                    .map(|(position, type_info)| {
-                        ParamType::of(type_info).ok_or_else(|| StatementError::UnsupportedType {
-                            pipeline: pipeline.name.clone(),
-                            statement: name.clone(),
-                            index: position + 1,
-                            type_name: type_info.name().to_lowercase(),
-                        })
-                    })
-                    .collect::<Result<Vec<_>, _>>()?,
-                Some(Either::Right(_)) | None => Vec::new(),
-            };
-            statements.insert(
-                name.clone(),
-                PreparedStatement {
-                    sql: sql.clone(),
-                    params,
-                },
-            );
+            match prepare_one(pool, pipeline, name, sql).await {
+                Ok(params) => {
+                    let prepared = PreparedStatement {
+                        sql: sql.clone(),
+                        params,
+                    };
+                    statements.insert(name.clone(), prepared);
+                }
+                Err(error) => errors.push(error),
+            }
+        }
+        if !errors.is_empty() {
+            return Err(StatementErrors(errors));
         }
         Ok(StatementCatalog {
             pipeline: pipeline.name.clone(),
@@ -212,6 +202,38 @@ impl StatementCatalog {
             values,
         })
     }
+}
+
+/// Prepares one statement and maps its parameter types.
+async fn prepare_one(
+    pool: &PgPool,
+    pipeline: &PipelineConfig,
+    name: &str,
+    sql: &str,
+) -> Result<Vec<ParamType>, StatementError> {
+    let prepared = pool
+        .prepare(sql)
+        .await
+        .map_err(|source| StatementError::Prepare {
+            pipeline: pipeline.name.clone(),
+            statement: name.to_string(),
+            source,
+        })?;
+    let Some(Either::Left(types)) = prepared.parameters() else {
+        return Ok(Vec::new());
+    };
+    types
+        .iter()
+        .enumerate()
+        .map(|(position, type_info)| {
+            ParamType::of(type_info).ok_or_else(|| StatementError::UnsupportedType {
+                pipeline: pipeline.name.clone(),
+                statement: name.to_string(),
+                index: position + 1,
+                type_name: type_info.name().to_lowercase(),
+            })
+        })
+        .collect()
 }
 
 impl BoundEffect<'_> {

@@ -110,7 +110,7 @@ async fn rolled_back_claim_lets_waiting_duplicate_apply() {
     };
     // The duplicate must block on the uncommitted claim, not decide early.
     idem_e2e::wait_for("the duplicate to wait on the claim's lock", Duration::from_secs(10), || async {
-        env.count("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO processed_messages%'")
+        env.count("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO processed_messages%'")
             .await
             == 1
     })

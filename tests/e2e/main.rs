@@ -4,4 +4,5 @@ mod broker;
 mod crash;
 mod dedup;
 mod hot_swap;
+mod operations;
 mod sandbox;

@@ -1,0 +1,151 @@
+//! Retention (the guide's Step 5): delete claims older than a pipeline's window, in small
+//! batches, so the ledger does not grow forever and locks and WAL bursts stay short.
+//!
+//! Architecture invariant: only claims of the pipeline's own consumer and older than its
+//! window are deleted, and only one host cleans at a time (a session advisory lock).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::config::RetentionConfig;
+use crate::metrics::Metrics;
+use crate::pipeline::Pipeline;
+
+/// The advisory lock key that elects the one cleaning host (`hashtext('idem-retention')`-like constant).
+const RETENTION_LOCK: i64 = 0x1de3_0000_0000_0001;
+
+/// One batch: at most `$3` claims of consumer `$1` older than `$2` seconds.
+const DELETE_BATCH_SQL: &str = "DELETE FROM processed_messages \
+     WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) \
+       AND ctid IN (SELECT ctid FROM processed_messages \
+                    WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) \
+                    LIMIT $3)";
+
+/// What a cleaning pass did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pass {
+    /// Claims deleted, by consumer.
+    Cleaned(BTreeMap<String, u64>),
+    /// Another host holds the cleaning lock.
+    Busy,
+}
+
+/// Deletes the claims of `consumer` older than `window`, `batch_size` rows at a time with a
+/// pause between batches, until none is left or `shutdown` fires. Returns the rows deleted.
+pub async fn clean_consumer(
+    pool: &PgPool,
+    consumer: &str,
+    retention: &RetentionConfig,
+    shutdown: &CancellationToken,
+) -> Result<u64, sqlx::Error> {
+    let mut deleted_total = 0;
+    loop {
+        let deleted = sqlx::query(DELETE_BATCH_SQL)
+            .bind(consumer)
+            .bind(retention.window.as_secs_f64())
+            .bind(i64::from(retention.batch_size.get()))
+            .execute(pool)
+            .await?
+            .rows_affected();
+        deleted_total += deleted;
+        debug!(consumer, deleted, "Retention batch.");
+        if deleted == 0 || shutdown.is_cancelled() {
+            return Ok(deleted_total);
+        }
+        tokio::select! {
+            () = tokio::time::sleep(retention.pause) => {}
+            () = shutdown.cancelled() => return Ok(deleted_total),
+        }
+    }
+}
+
+/// One pass over every pipeline, if this host wins the cleaning lock.
+pub async fn clean_all(
+    pool: &PgPool,
+    pipelines: &[(String, String, RetentionConfig)],
+    metrics: Option<&Metrics>,
+    shutdown: &CancellationToken,
+) -> Result<Pass, sqlx::Error> {
+    let mut connection = pool.acquire().await?;
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(RETENTION_LOCK)
+        .fetch_one(&mut *connection)
+        .await?;
+    if !locked {
+        return Ok(Pass::Busy);
+    }
+    let mut cleaned = BTreeMap::new();
+    let mut result = Ok(());
+    for (pipeline, consumer, retention) in pipelines {
+        match clean_consumer(pool, consumer, retention, shutdown).await {
+            Ok(deleted) => {
+                if let Some(metrics) = metrics {
+                    metrics.claims_deleted(pipeline, deleted);
+                }
+                *cleaned.entry(consumer.clone()).or_insert(0) += deleted;
+            }
+            Err(error) => {
+                result = Err(error);
+                break;
+            }
+        }
+    }
+    let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(RETENTION_LOCK)
+        .execute(&mut *connection)
+        .await;
+    if unlocked.is_err() {
+        // The lock dies with the session: do not return this connection to the pool.
+        connection.detach();
+    }
+    result.map(|()| Pass::Cleaned(cleaned))
+}
+
+/// Runs [`clean_all`] every pipeline's `every` interval (the shortest), until `shutdown`.
+pub fn spawn_cleaner(
+    pipelines: &[Arc<Pipeline>],
+    pool: PgPool,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+) {
+    let cleaned: Vec<(String, String, RetentionConfig)> = pipelines
+        .iter()
+        .filter(|pipeline| !pipeline.config.retention.every.is_zero())
+        .map(|pipeline| {
+            (
+                pipeline.name().to_string(),
+                pipeline.config.consumer.clone(),
+                pipeline.config.retention.clone(),
+            )
+        })
+        .collect();
+    let Some(every) = cleaned
+        .iter()
+        .map(|(_, _, retention)| retention.every)
+        .min()
+    else {
+        return;
+    };
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(every) => {}
+                () = shutdown.cancelled() => return,
+            }
+            match clean_all(&pool, &cleaned, Some(&metrics), &shutdown).await {
+                Ok(Pass::Cleaned(deleted)) => {
+                    let total: u64 = deleted.values().sum();
+                    if total > 0 {
+                        info!(deleted = total, "Retention removed old claims.");
+                    }
+                }
+                Ok(Pass::Busy) => debug!("Another host is cleaning claims."),
+                Err(error) => warn!(%error, "Retention pass failed; will try again."),
+            }
+        }
+    });
+}

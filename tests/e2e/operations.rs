@@ -1,0 +1,303 @@
+//! Operations: retention, metrics, graceful shutdown, replay, and the operator commands.
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_e2e::{TestEnv, idem_binary, order, spawn_idem, unacked, wait_for};
+use idem_host::config::RetentionConfig;
+use idem_host::metrics::Metrics;
+use idem_host::retention::{self, Pass};
+use tokio_util::sync::CancellationToken;
+
+/// Batched cleanup removes exactly the claims outside the window, of its own consumer only,
+/// while a host keeps claiming new messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_exactly_the_claims_outside_the_window() {
+    let env = TestEnv::new("retention").await;
+    sqlx::query(
+        "INSERT INTO processed_messages (consumer, message_key, processed_at) \
+         SELECT 'loyalty', 'old:' || n, now() - interval '40 days' - n * interval '1 second' FROM generate_series(1, 5000) n \
+         UNION ALL SELECT 'loyalty', 'recent:' || n, now() - interval '29 days' FROM generate_series(1, 3000) n \
+         UNION ALL SELECT 'analytics', 'old:' || n, now() - interval '90 days' FROM generate_series(1, 700) n",
+    )
+    .execute(&env.pool)
+    .await
+    .expect("seed claims");
+    let host = env.start_host(env.config("loyalty", ""));
+    let publisher = {
+        let queue = env.queue.clone();
+        tokio::spawn(async move {
+            let (_connection, channel) = idem_e2e::connect_channel().await;
+            for order_id in 1..=500 {
+                idem_e2e::publish(&channel, &queue, &order(order_id, 1, 100)).await;
+            }
+        })
+    };
+    let retention = RetentionConfig {
+        window: Duration::from_secs(30 * 86_400),
+        batch_size: std::num::NonZeroU32::new(700).expect("non-zero"),
+        pause: Duration::from_millis(5),
+        every: Duration::ZERO,
+    };
+    let metrics = Metrics::new();
+    let pass = retention::clean_all(
+        &env.pool,
+        &[("loyalty".into(), "loyalty".into(), retention)],
+        Some(&metrics),
+        &CancellationToken::new(),
+    )
+    .await
+    .expect("cleanup runs");
+    publisher.await.expect("publisher");
+    wait_for("500 new claims", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 500
+    })
+    .await;
+    host.stop().await.expect("host stops");
+
+    let Pass::Cleaned(deleted) = pass else {
+        panic!("the cleaning lock was busy");
+    };
+    assert_eq!(deleted.get("loyalty"), Some(&5000));
+    assert_eq!(env.count("SELECT count(*) FROM processed_messages WHERE message_key LIKE 'old:%' AND consumer = 'loyalty'").await, 0);
+    assert_eq!(
+        env.count("SELECT count(*) FROM processed_messages WHERE message_key LIKE 'recent:%'")
+            .await,
+        3000
+    );
+    assert_eq!(
+        env.count("SELECT count(*) FROM processed_messages WHERE consumer = 'analytics'")
+            .await,
+        700
+    );
+    assert_eq!(
+        env.count(
+            "SELECT count(*) FROM processed_messages WHERE message_key LIKE 'order-completed:%'"
+        )
+        .await,
+        500
+    );
+    assert!(
+        metrics
+            .encode()
+            .contains(r#"idem_claims_deleted_total{pipeline="loyalty"} 5000"#)
+    );
+
+    // A second host cannot clean while one holds the lock.
+    let mut holder = env.pool.acquire().await.expect("connection");
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(0x1de3_0000_0000_0001_i64)
+        .execute(&mut *holder)
+        .await
+        .expect("take the cleaning lock");
+    let busy = retention::clean_all(&env.pool, &[], None, &CancellationToken::new())
+        .await
+        .expect("cleanup runs");
+    assert_eq!(busy, Pass::Busy);
+    drop(holder);
+    env.cleanup().await;
+}
+
+/// The duplicate counter equals the duplicate deliveries of a run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_every_duplicate_delivery() {
+    let env = TestEnv::new("dupmetric").await;
+    let metrics = Arc::new(Metrics::new());
+    let host = env.start_host_with_metrics(env.config("loyalty", ""), Arc::clone(&metrics));
+    for order_id in 1..=300 {
+        env.publish(&order(order_id, order_id % 7, 500)).await;
+    }
+    for order_id in (1..=300).step_by(3) {
+        env.publish(&order(order_id, order_id % 7, 500)).await;
+    }
+    env.publish(b"not json").await;
+    wait_for("400 settled messages", Duration::from_secs(60), || async {
+        metrics.messages("loyalty", "applied")
+            + metrics.messages("loyalty", "duplicate")
+            + metrics.messages("loyalty", "rejected")
+            == 401
+    })
+    .await;
+    host.stop().await.expect("host stops");
+    assert_eq!(metrics.messages("loyalty", "applied"), 300);
+    assert_eq!(metrics.messages("loyalty", "duplicate"), 100);
+    assert_eq!(metrics.messages("loyalty", "rejected"), 1);
+    let text = metrics.encode();
+    assert!(
+        text.contains(r#"idem_messages_total{pipeline="loyalty",outcome="duplicate"} 100"#),
+        "{text}"
+    );
+    env.cleanup().await;
+}
+
+/// SIGTERM in the middle of a 5,000-message run: exit 0 with nothing half-done; a restart
+/// finishes the run with every order credited once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_and_a_restart_completes_the_run() {
+    let env = TestEnv::new("sigterm").await;
+    let config_path = env.write_config("loyalty", "");
+    for order_id in 1..=5000 {
+        env.publish(&order(order_id, order_id % 25, 1000 + order_id))
+            .await;
+    }
+    let mut child = spawn_idem(&config_path, &[]);
+    wait_for("1,000 credits", Duration::from_secs(120), || async {
+        env.count("SELECT count(*) FROM point_ledger").await >= 1000
+    })
+    .await;
+    let terminated = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill -TERM");
+    assert!(terminated.success());
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .expect("join")
+        .expect("wait");
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "idem should exit 0 on SIGTERM, got {status}"
+    );
+    let credited = env.count("SELECT count(*) FROM point_ledger").await;
+    assert!(
+        credited < 5000,
+        "the run finished before SIGTERM; nothing was tested"
+    );
+    env.assert_loyalty_consistent().await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' AND datname = current_database()")
+            .await,
+        0
+    );
+
+    let host = env.start_host(env.config("loyalty", ""));
+    wait_for("5,000 credits", Duration::from_secs(120), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 5000
+    })
+    .await;
+    wait_for("the queue to drain", Duration::from_secs(60), || async {
+        env.ready(&env.queue).await == 0 && unacked(&env.queue) == 0
+    })
+    .await;
+    host.stop().await.expect("host stops");
+    env.assert_loyalty_consistent().await;
+    let _ = std::fs::remove_file(config_path);
+    env.cleanup().await;
+}
+
+/// `idem replay` of 100 dead letters, half of which had been applied by an earlier delivery,
+/// credits only the other half.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_credits_only_what_was_never_applied() {
+    let env = TestEnv::new("replay").await;
+    let metrics = Arc::new(Metrics::new());
+    let host = env.start_host_with_metrics(env.config("loyalty", ""), Arc::clone(&metrics));
+    for order_id in 1..=50 {
+        env.publish(&order(order_id, 3, 1000)).await;
+    }
+    wait_for("50 credits", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 50
+    })
+    .await;
+    // 100 dead letters: orders 1..=50 again (already applied) and 51..=100 (never applied).
+    for order_id in 1..=100 {
+        idem_e2e::publish(
+            &env.channel,
+            &env.dead_letter_queue,
+            &order(order_id, 3, 1000),
+        )
+        .await;
+    }
+    let config_path = env.write_config("loyalty", "");
+    let output = Command::new(idem_binary())
+        .args(["replay", "--pipeline", "loyalty", "--config"])
+        .arg(&config_path)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("idem replay");
+    assert!(output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stdout).contains("replayed 100 messages"),
+        "{output:?}"
+    );
+    wait_for("100 credits", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 100
+    })
+    .await;
+    wait_for("50 duplicates", Duration::from_secs(30), || async {
+        metrics.messages("loyalty", "duplicate") == 50
+    })
+    .await;
+    host.stop().await.expect("host stops");
+    assert_eq!(env.ready(&env.dead_letter_queue).await, 0);
+    assert_eq!(
+        env.count("SELECT points FROM balances WHERE customer_id = 3")
+            .await,
+        100 * 10
+    );
+    env.assert_loyalty_consistent().await;
+    let _ = std::fs::remove_file(config_path);
+    env.cleanup().await;
+}
+
+/// `idem try` prints the plugin's decision; `idem check` lists every problem at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_and_check_report_clearly() {
+    let env = TestEnv::new("cli").await;
+    let config_path = env.write_config("loyalty", "");
+    let message = std::env::temp_dir().join(format!("{}-order.json", env.database));
+    std::fs::write(&message, order(9912, 7, 5000)).expect("message file");
+    let tried = Command::new(idem_binary())
+        .args(["try", "--pipeline", "loyalty", "--config"])
+        .arg(&config_path)
+        .arg("--message")
+        .arg(&message)
+        .output()
+        .expect("idem try");
+    assert!(tried.status.success(), "{tried:?}");
+    let decision: serde_json::Value = serde_json::from_slice(&tried.stdout).expect("JSON decision");
+    assert_eq!(decision["outcome"], "decision");
+    assert_eq!(decision["key"], "order-completed:9912");
+    assert_eq!(
+        decision["effects"][0]["exec"]["statement"],
+        "credit_balance"
+    );
+    assert_eq!(decision["effects"][0]["exec"]["params"][1]["integer"], 50);
+
+    // Three separate problems: a missing plugin, a statement that does not prepare, and a
+    // parameter type idem cannot bind.
+    let broken = env
+        .config_text("loyalty", "")
+        .replace("loyalty.wasm", "missing.wasm")
+        .replace("INSERT INTO point_ledger", "INSERT INTO no_such_table")
+        .replace(
+            "[pipelines.loyalty.statements]",
+            "[pipelines.loyalty.statements]\nround = \"SELECT round($1::numeric)\"",
+        );
+    let broken_path = std::env::temp_dir().join(format!("{}-broken.toml", env.database));
+    std::fs::write(&broken_path, broken).expect("write config");
+    let checked = Command::new(idem_binary())
+        .args(["check", "--config"])
+        .arg(&broken_path)
+        .output()
+        .expect("idem check");
+    let report = String::from_utf8_lossy(&checked.stdout);
+    assert_eq!(checked.status.code(), Some(1), "{report}");
+    assert!(report.contains("missing.wasm"), "{report}");
+    assert!(
+        report.contains("record_ledger") && report.contains("no_such_table"),
+        "{report}"
+    );
+    assert!(
+        report.contains("round") && report.contains("numeric"),
+        "{report}"
+    );
+    assert!(report.contains("3 problem(s) found"), "{report}");
+
+    for path in [config_path, broken_path, message] {
+        let _ = std::fs::remove_file(path);
+    }
+    env.cleanup().await;
+}
