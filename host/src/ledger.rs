@@ -37,6 +37,16 @@ pub enum LedgerError {
     },
 }
 
+/// Partition mode's claim (see `partition`): under a transaction-scoped advisory lock on the
+/// key, insert only if no partition holds the key yet. Two statements, because the check
+/// must see what a lock holder committed: a statement's snapshot predates its own lock wait.
+const PARTITIONED_LOCK_SQL: &str =
+    "SELECT pg_advisory_xact_lock(hashtextextended($1 || chr(31) || $2, 0))";
+const PARTITIONED_CLAIM_SQL: &str = "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
+     SELECT $1, $2, $3 WHERE NOT EXISTS \
+       (SELECT 1 FROM processed_messages WHERE consumer = $1 AND message_key = $2) \
+     ON CONFLICT DO NOTHING";
+
 /// The identity of one claim.
 #[derive(Debug, Clone, Copy)]
 pub struct Claim<'a> {
@@ -44,6 +54,8 @@ pub struct Claim<'a> {
     pub key: &'a str,
     /// The digest of the plugin build that decided.
     pub plugin_digest: &'a str,
+    /// `processed_messages` is partitioned by day (see `partition`).
+    pub partitioned: bool,
 }
 
 /// Claims `(consumer, key)` and, only if the claim is new, runs `effects`, in one transaction.
@@ -54,7 +66,20 @@ pub async fn apply(
 ) -> Result<ClaimOutcome, LedgerError> {
     let transient = |source| LedgerError::Transient { source };
     let mut transaction = pool.begin().await.map_err(transient)?;
-    let claimed = sqlx::query(CLAIM_SQL)
+    if claim.partitioned {
+        sqlx::query(PARTITIONED_LOCK_SQL)
+            .bind(claim.consumer)
+            .bind(claim.key)
+            .execute(&mut *transaction)
+            .await
+            .map_err(|source| classify(source, "claim"))?;
+    }
+    let claim_sql = if claim.partitioned {
+        PARTITIONED_CLAIM_SQL
+    } else {
+        CLAIM_SQL
+    };
+    let claimed = sqlx::query(claim_sql)
         .bind(claim.consumer)
         .bind(claim.key)
         .bind(claim.plugin_digest)

@@ -14,7 +14,7 @@
 //! - [`ledger`]: the transaction: claim, effects, commit.
 //! - [`amqp`]: lapin: connect, declare, consume, dead-letter, ack.
 //! - [`reload`]: hot swap of plugins (file watch, SIGHUP, admin call).
-//! - [`retention`]: batched deletion of claims older than the window.
+//! - [`retention`], [`partition`]: batched deletion of old claims, or daily partitions dropped whole.
 //! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`, `/admin/…`.
 //! - [`database`]: the pool, migrations, schema check.
 //! - [`effect`], [`message`]: the data passed between them.
@@ -30,6 +30,7 @@ pub mod http;
 pub mod ledger;
 pub mod message;
 pub mod metrics;
+pub mod partition;
 pub mod pipeline;
 pub mod plugin;
 pub mod process;

@@ -12,7 +12,7 @@ use idem_host::effect::{Effect, Outcome, Value};
 use idem_host::message::InboundMessage;
 use idem_host::plugin::{PluginError, PluginRuntime};
 use idem_host::statement::StatementCatalog;
-use idem_host::{amqp, database, pipeline, retention};
+use idem_host::{amqp, database, partition, pipeline, retention};
 use sha2::Digest;
 
 /// Exactly-once database effects from at-least-once message delivery.
@@ -44,6 +44,10 @@ enum Command {
     Run {
         #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
         config: PathBuf,
+        /// After SIGTERM/SIGINT, how long in-flight messages may take to commit and ack before
+        /// the process gives up (exit 1; the unacked messages are redelivered, nothing is lost).
+        #[arg(long, default_value = "30s", env = "IDEM_SHUTDOWN_TIMEOUT", value_parser = idem_host::config::parse_duration)]
+        shutdown_timeout: std::time::Duration,
     },
     /// Create or update the host's tables (processed_messages).
     Migrate {
@@ -57,6 +61,11 @@ enum Command {
     },
     /// Delete claims older than each pipeline's retention window, in batches, once.
     Cleanup {
+        #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
+        config: PathBuf,
+    },
+    /// Convert processed_messages to daily partitions (keeps every claim; run before starting hosts).
+    Partition {
         #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
         config: PathBuf,
     },
@@ -112,10 +121,32 @@ fn main() -> ExitCode {
 
 async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Run { config } => {
+        Command::Run {
+            config,
+            shutdown_timeout,
+        } => {
             let config = Config::load(&config)?;
-            idem_host::run(config, shutdown_signal()).await?;
-            Ok(ExitCode::SUCCESS)
+            let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel();
+            let shutdown = async move {
+                shutdown_signal().await;
+                let _ = signalled_tx.send(());
+            };
+            let deadline = async move {
+                if signalled_rx.await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+                tokio::time::sleep(shutdown_timeout).await;
+            };
+            tokio::select! {
+                ran = idem_host::run(config, shutdown) => {
+                    ran?;
+                    Ok(ExitCode::SUCCESS)
+                }
+                () = deadline => {
+                    tracing::error!(timeout = ?shutdown_timeout, "Shutdown timed out; exiting with messages in flight. They were not acked and will be redelivered.");
+                    Ok(ExitCode::FAILURE)
+                }
+            }
         }
         Command::Migrate { config } => {
             let config = Config::load(&config)?;
@@ -147,11 +178,37 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     }
                     Ok(ExitCode::SUCCESS)
                 }
+                retention::Pass::Partitions(maintenance) => {
+                    println!(
+                        "partitions created {:?}, dropped {:?}",
+                        maintenance.created, maintenance.dropped
+                    );
+                    Ok(ExitCode::SUCCESS)
+                }
                 retention::Pass::Busy => {
                     println!("another idem host is cleaning right now; nothing done");
                     Ok(ExitCode::FAILURE)
                 }
             }
+        }
+        Command::Partition { config } => {
+            let config = Config::load(&config)?;
+            let pool = database::connect_once(&config.database).await?;
+            let converted = partition::convert(&pool).await?;
+            let window = config
+                .pipelines
+                .iter()
+                .map(|pipeline| pipeline.retention.window)
+                .max()
+                .unwrap_or_default();
+            let maintenance = partition::maintain(&pool, window).await?;
+            println!(
+                "processed_messages {} partitioned by day; created {:?}, dropped {:?}",
+                if converted { "is now" } else { "was already" },
+                maintenance.created,
+                maintenance.dropped
+            );
+            Ok(ExitCode::SUCCESS)
         }
         Command::Replay {
             config,

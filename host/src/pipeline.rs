@@ -37,6 +37,8 @@ pub struct Pipeline {
     pub reload_status: Mutex<ReloadStatus>,
     /// True while a consumer is subscribed to the queue.
     pub consuming: AtomicBool,
+    /// `processed_messages` is partitioned by day: claims use the partition-safe form.
+    pub partitioned_claims: bool,
     /// Serialises reloads of this pipeline.
     pub(crate) reload_lock: tokio::sync::Mutex<()>,
 }
@@ -58,6 +60,11 @@ pub enum PipelineError {
     },
     #[error(transparent)]
     Statement(#[from] StatementErrors),
+    #[error("pipeline {pipeline:?}: cannot inspect processed_messages: {source}")]
+    Schema {
+        pipeline: String,
+        source: sqlx::Error,
+    },
     #[error("pipeline {pipeline:?}: plugin {digest} failed its self-test {path:?}: {reason}")]
     SelfTest {
         pipeline: String,
@@ -78,6 +85,13 @@ impl Pipeline {
         let plugin = load_plugin(&runtime, &config).await?;
         let statements = StatementCatalog::prepare(&pool, &config).await?;
         self_test(&runtime, &config, &statements, &plugin).await?;
+        let partitioned_claims =
+            crate::partition::is_partitioned(&pool)
+                .await
+                .map_err(|source| PipelineError::Schema {
+                    pipeline: config.name.clone(),
+                    source,
+                })?;
         info!(
             pipeline = %config.name,
             plugin = %plugin.path.display(),
@@ -94,6 +108,7 @@ impl Pipeline {
             metrics,
             reload_status: Mutex::new(ReloadStatus::default()),
             consuming: AtomicBool::new(false),
+            partitioned_claims,
             reload_lock: tokio::sync::Mutex::new(()),
         })
     }

@@ -161,6 +161,7 @@ async fn decide(
         consumer: &pipeline.config.consumer,
         key: &decision.key,
         plugin_digest: &plugin.digest,
+        partitioned: pipeline.partitioned_claims,
     };
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
     loop {

@@ -13,6 +13,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::RetentionConfig;
 use crate::metrics::Metrics;
+use crate::partition::{self, Maintenance};
 use crate::pipeline::Pipeline;
 
 /// The advisory lock key that elects the one cleaning host (`hashtext('idem-retention')`-like constant).
@@ -30,6 +31,8 @@ const DELETE_BATCH_SQL: &str = "DELETE FROM processed_messages \
 pub enum Pass {
     /// Claims deleted, by consumer.
     Cleaned(BTreeMap<String, u64>),
+    /// Partition mode: partitions created ahead and dropped whole.
+    Partitions(Maintenance),
     /// Another host holds the cleaning lock.
     Busy,
 }
@@ -78,22 +81,7 @@ pub async fn clean_all(
     if !locked {
         return Ok(Pass::Busy);
     }
-    let mut cleaned = BTreeMap::new();
-    let mut result = Ok(());
-    for (pipeline, consumer, retention) in pipelines {
-        match clean_consumer(pool, consumer, retention, shutdown).await {
-            Ok(deleted) => {
-                if let Some(metrics) = metrics {
-                    metrics.claims_deleted(pipeline, deleted);
-                }
-                *cleaned.entry(consumer.clone()).or_insert(0) += deleted;
-            }
-            Err(error) => {
-                result = Err(error);
-                break;
-            }
-        }
-    }
+    let result = clean_locked(pool, pipelines, metrics, shutdown).await;
     let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
         .bind(RETENTION_LOCK)
         .execute(&mut *connection)
@@ -102,7 +90,35 @@ pub async fn clean_all(
         // The lock dies with the session: do not return this connection to the pool.
         connection.detach();
     }
-    result.map(|()| Pass::Cleaned(cleaned))
+    result
+}
+
+async fn clean_locked(
+    pool: &PgPool,
+    pipelines: &[(String, String, RetentionConfig)],
+    metrics: Option<&Metrics>,
+    shutdown: &CancellationToken,
+) -> Result<Pass, sqlx::Error> {
+    if partition::is_partitioned(pool).await? {
+        // Partitions hold every consumer's claims: keep them for the longest window.
+        let window = pipelines
+            .iter()
+            .map(|(_, _, retention)| retention.window)
+            .max()
+            .unwrap_or_else(|| RetentionConfig::default().window);
+        return partition::maintain(pool, window)
+            .await
+            .map(Pass::Partitions);
+    }
+    let mut cleaned = BTreeMap::new();
+    for (pipeline, consumer, retention) in pipelines {
+        let deleted = clean_consumer(pool, consumer, retention, shutdown).await?;
+        if let Some(metrics) = metrics {
+            metrics.claims_deleted(pipeline, deleted);
+        }
+        *cleaned.entry(consumer.clone()).or_insert(0) += deleted;
+    }
+    Ok(Pass::Cleaned(cleaned))
 }
 
 /// Runs [`clean_all`] every pipeline's `every` interval (the shortest), until `shutdown`.
@@ -131,11 +147,8 @@ pub fn spawn_cleaner(
         return;
     };
     tokio::spawn(async move {
+        // First pass at start: in partition mode it creates today's partitions.
         loop {
-            tokio::select! {
-                () = tokio::time::sleep(every) => {}
-                () = shutdown.cancelled() => return,
-            }
             match clean_all(&pool, &cleaned, Some(&metrics), &shutdown).await {
                 Ok(Pass::Cleaned(deleted)) => {
                     let total: u64 = deleted.values().sum();
@@ -143,8 +156,23 @@ pub fn spawn_cleaner(
                         info!(deleted = total, "Retention removed old claims.");
                     }
                 }
+                Ok(Pass::Partitions(maintenance)) => {
+                    if !maintenance.created.is_empty() || !maintenance.dropped.is_empty() {
+                        info!(created = ?maintenance.created, dropped = ?maintenance.dropped, "Claim partitions maintained.");
+                    }
+                    if maintenance.stray_rows > 0 {
+                        warn!(
+                            rows = maintenance.stray_rows,
+                            "Claims landed in processed_messages_default (no partition for their day); they are kept but never dropped."
+                        );
+                    }
+                }
                 Ok(Pass::Busy) => debug!("Another host is cleaning claims."),
                 Err(error) => warn!(%error, "Retention pass failed; will try again."),
+            }
+            tokio::select! {
+                () = tokio::time::sleep(every) => {}
+                () = shutdown.cancelled() => return,
             }
         }
     });

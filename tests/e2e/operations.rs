@@ -301,3 +301,103 @@ async fn try_and_check_report_clearly() {
     }
     env.cleanup().await;
 }
+
+/// Partition mode: converting keeps every claim, maintenance drops only the partitions wholly
+/// older than the window, and claims still deduplicate across partitions and concurrently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_mode_drops_old_days_and_still_deduplicates() {
+    use idem_host::message::InboundMessage;
+    use idem_host::partition;
+    use idem_host::process::{Disposition, Settled, handle_delivery};
+
+    let env = TestEnv::new("partition").await;
+    sqlx::query(
+        "INSERT INTO processed_messages (consumer, message_key, processed_at) \
+         SELECT 'loyalty', 'd45:' || n, now() - interval '45 days' FROM generate_series(1, 100) n \
+         UNION ALL SELECT 'loyalty', 'd31:' || n, now() - interval '31 days' FROM generate_series(1, 100) n \
+         UNION ALL SELECT 'loyalty', 'd29:' || n, now() - interval '29 days' FROM generate_series(1, 100) n \
+         UNION ALL SELECT 'loyalty', 'order-completed:1', now() - interval '3 days'",
+    )
+    .execute(&env.pool)
+    .await
+    .expect("seed claims");
+
+    assert!(partition::convert(&env.pool).await.expect("convert"));
+    assert!(partition::is_partitioned(&env.pool).await.expect("inspect"));
+    assert!(
+        !partition::convert(&env.pool)
+            .await
+            .expect("second convert is a no-op")
+    );
+    assert_eq!(
+        env.count("SELECT count(*) FROM processed_messages").await,
+        301
+    );
+
+    let maintenance = partition::maintain(&env.pool, Duration::from_secs(30 * 86_400))
+        .await
+        .expect("maintain");
+    assert!(maintenance.dropped.len() >= 2, "{maintenance:?}");
+    assert_eq!(maintenance.stray_rows, 0);
+    assert_eq!(env.count("SELECT count(*) FROM processed_messages WHERE message_key LIKE 'd45:%' OR message_key LIKE 'd31:%'").await, 0);
+    assert_eq!(
+        env.count("SELECT count(*) FROM processed_messages WHERE message_key LIKE 'd29:%'")
+            .await,
+        100
+    );
+    let today = format!("processed_messages_p{}", chrono_today());
+    assert_eq!(
+        env.count(&format!(
+            "SELECT count(*) FROM pg_class WHERE relname = '{today}'"
+        ))
+        .await,
+        1
+    );
+
+    let pipeline = std::sync::Arc::new(env.pipeline("loyalty", "").await);
+    assert!(pipeline.partitioned_claims);
+    let shutdown = CancellationToken::new();
+    let message = |order_id| InboundMessage {
+        pipeline: "loyalty".into(),
+        body: order(order_id, 4, 900),
+        ..InboundMessage::default()
+    };
+    // Claimed three days ago, in another partition: still a duplicate.
+    assert_eq!(
+        handle_delivery(&pipeline, &message(1), 1, &shutdown).await,
+        Disposition::Ack(Settled::Duplicate)
+    );
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let pipeline = std::sync::Arc::clone(&pipeline);
+        let shutdown = shutdown.clone();
+        let delivery = message(2);
+        tasks.push(tokio::spawn(async move {
+            handle_delivery(&pipeline, &delivery, 1, &shutdown).await
+        }));
+    }
+    let mut applied = 0;
+    for task in tasks {
+        if task.await.expect("task") == Disposition::Ack(Settled::Applied) {
+            applied += 1;
+        }
+    }
+    assert_eq!(applied, 1);
+    assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, 1);
+    assert_eq!(
+        env.count(&format!(
+            "SELECT count(*) FROM \"{today}\" WHERE message_key = 'order-completed:2'"
+        ))
+        .await,
+        1
+    );
+    env.cleanup().await;
+}
+
+fn chrono_today() -> String {
+    let output = Command::new("date")
+        .args(["-u", "+%Y%m%d"])
+        .output()
+        .expect("date");
+    String::from_utf8_lossy(&output.stdout).trim().to_string()
+}

@@ -1,0 +1,177 @@
+//! Partition mode: `processed_messages` partitioned by day on `processed_at`, so retention
+//! drops whole partitions instead of deleting rows (no vacuum load, no WAL burst).
+//!
+//! A partitioned table's unique index must include the partition key, so it can no longer
+//! refuse the same `(consumer, message_key)` claimed on two different days. The claim then
+//! takes a transaction-scoped advisory lock on the key and checks every partition before it
+//! inserts (see `ledger`): duplicates still serialise, and a rolled-back first claimer still
+//! lets the waiting duplicate apply.
+//!
+//! The mode is a property of the table: `idem partition` converts it, and the host reads it
+//! at start-up.
+
+use chrono::{Duration as ChronoDuration, NaiveDate, Utc};
+use sqlx::{PgPool, Postgres, Transaction};
+
+/// Days of partitions created ahead of today.
+pub const DAYS_AHEAD: i64 = 3;
+
+/// What a maintenance pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Maintenance {
+    pub created: Vec<String>,
+    pub dropped: Vec<String>,
+    /// Rows in the default partition: claims whose day had no partition (should be 0).
+    pub stray_rows: i64,
+}
+
+/// True when `processed_messages` is a partitioned table.
+pub async fn is_partitioned(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table p JOIN pg_class c ON c.oid = p.partrelid \
+         WHERE c.relname = 'processed_messages' AND c.relnamespace = current_schema()::regnamespace)",
+    )
+    .fetch_one(pool)
+    .await
+}
+
+/// Converts a plain `processed_messages` into a table partitioned by day, keeping every claim,
+/// in one transaction (it locks the table while it copies: run it before starting hosts).
+/// Returns false if the table was already partitioned.
+pub async fn convert(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    if is_partitioned(pool).await? {
+        return Ok(false);
+    }
+    let mut transaction = pool.begin().await?;
+    sqlx::query("LOCK TABLE processed_messages IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *transaction)
+        .await?;
+    sqlx::query("ALTER TABLE processed_messages RENAME TO processed_messages_unpartitioned")
+        .execute(&mut *transaction)
+        .await?;
+    sqlx::query(
+        "ALTER INDEX processed_messages_time RENAME TO processed_messages_unpartitioned_time",
+    )
+    .execute(&mut *transaction)
+    .await?;
+    sqlx::query(
+        "ALTER TABLE processed_messages_unpartitioned RENAME CONSTRAINT processed_messages_pkey \
+         TO processed_messages_unpartitioned_pkey",
+    )
+    .execute(&mut *transaction)
+    .await?;
+    sqlx::query(
+        "CREATE TABLE processed_messages ( \
+           consumer      text        NOT NULL, \
+           message_key   text        NOT NULL, \
+           processed_at  timestamptz NOT NULL DEFAULT now(), \
+           plugin_digest text, \
+           PRIMARY KEY (consumer, message_key, processed_at) \
+         ) PARTITION BY RANGE (processed_at)",
+    )
+    .execute(&mut *transaction)
+    .await?;
+    sqlx::query("CREATE INDEX processed_messages_time ON processed_messages (processed_at)")
+        .execute(&mut *transaction)
+        .await?;
+    sqlx::query("CREATE TABLE processed_messages_default PARTITION OF processed_messages DEFAULT")
+        .execute(&mut *transaction)
+        .await?;
+    let oldest: Option<NaiveDate> = sqlx::query_scalar(
+        "SELECT min(processed_at AT TIME ZONE 'UTC')::date FROM processed_messages_unpartitioned",
+    )
+    .fetch_one(&mut *transaction)
+    .await?;
+    let today = Utc::now().date_naive();
+    let mut day = oldest.unwrap_or(today).min(today);
+    while day <= today + ChronoDuration::days(DAYS_AHEAD) {
+        create_partition(&mut transaction, day).await?;
+        day += ChronoDuration::days(1);
+    }
+    sqlx::query(
+        "INSERT INTO processed_messages (consumer, message_key, processed_at, plugin_digest) \
+         SELECT consumer, message_key, processed_at, plugin_digest FROM processed_messages_unpartitioned",
+    )
+    .execute(&mut *transaction)
+    .await?;
+    sqlx::query("DROP TABLE processed_messages_unpartitioned")
+        .execute(&mut *transaction)
+        .await?;
+    transaction.commit().await?;
+    Ok(true)
+}
+
+/// Creates the partitions of today and the next [`DAYS_AHEAD`] days, and drops every
+/// partition that ends before `now() - window`.
+pub async fn maintain(
+    pool: &PgPool,
+    window: std::time::Duration,
+) -> Result<Maintenance, sqlx::Error> {
+    let mut maintenance = Maintenance::default();
+    let existing = partitions(pool).await?;
+    let today = Utc::now().date_naive();
+    let mut transaction = pool.begin().await?;
+    for offset in 0..=DAYS_AHEAD {
+        let day = today + ChronoDuration::days(offset);
+        if !existing
+            .iter()
+            .any(|(_, partition_day)| *partition_day == day)
+        {
+            maintenance
+                .created
+                .push(create_partition(&mut transaction, day).await?);
+        }
+    }
+    let window = ChronoDuration::from_std(window).unwrap_or(ChronoDuration::MAX);
+    let cutoff = Utc::now()
+        .checked_sub_signed(window)
+        .map_or(NaiveDate::MIN, |cutoff| cutoff.date_naive());
+    for (name, day) in existing {
+        // The partition holds [day, day + 1): wholly older than the window when day + 1 <= cutoff.
+        if day + ChronoDuration::days(1) <= cutoff {
+            sqlx::query(&format!("DROP TABLE \"{name}\""))
+                .execute(&mut *transaction)
+                .await?;
+            maintenance.dropped.push(name);
+        }
+    }
+    transaction.commit().await?;
+    maintenance.stray_rows = sqlx::query_scalar("SELECT count(*) FROM processed_messages_default")
+        .fetch_one(pool)
+        .await?;
+    Ok(maintenance)
+}
+
+/// The day partitions, by name and first day.
+async fn partitions(pool: &PgPool) -> Result<Vec<(String, NaiveDate)>, sqlx::Error> {
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i \
+         JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent \
+         WHERE p.relname = 'processed_messages' AND p.relnamespace = current_schema()::regnamespace",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(names
+        .into_iter()
+        .filter_map(|name| {
+            let day = name.strip_prefix("processed_messages_p")?;
+            let day = NaiveDate::parse_from_str(day, "%Y%m%d").ok()?;
+            Some((name, day))
+        })
+        .collect())
+}
+
+async fn create_partition(
+    transaction: &mut Transaction<'_, Postgres>,
+    day: NaiveDate,
+) -> Result<String, sqlx::Error> {
+    let name = format!("processed_messages_p{}", day.format("%Y%m%d"));
+    let next = day + ChronoDuration::days(1);
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS \"{name}\" PARTITION OF processed_messages \
+         FOR VALUES FROM ('{day} 00:00:00+00') TO ('{next} 00:00:00+00')"
+    ))
+    .execute(&mut **transaction)
+    .await?;
+    Ok(name)
+}
