@@ -349,10 +349,18 @@ async fn try_message(path: &Path, pipeline_name: &str, message: &Path) -> anyhow
         routing_key: pipeline_config.queue.clone(),
         ..InboundMessage::default()
     };
-    let (report, code) = match runtime
-        .invoke(&plugin, &pipeline_config.limits, &inbound)
-        .await
-    {
+    let started = std::time::Instant::now();
+    let (outcome, stats) = runtime
+        .invoke_measured(&plugin, &pipeline_config.limits, &inbound)
+        .await;
+    eprintln!(
+        "idem try: {} ({}) called in {:.2} ms, {} KiB of linear memory",
+        plugin.path.display(),
+        plugin.digest,
+        started.elapsed().as_secs_f64() * 1e3,
+        stats.memory_bytes / 1024
+    );
+    let (report, code) = match outcome {
         Ok(Outcome::Decision(decision)) => (
             json!({
                 "outcome": "decision",

@@ -4,5 +4,6 @@ mod broker;
 mod crash;
 mod dedup;
 mod hot_swap;
+mod languages;
 mod operations;
 mod sandbox;

@@ -49,20 +49,32 @@ fn native_decision(body: &[u8]) -> Option<Outcome> {
     }))
 }
 
+/// Each plugin is measured for this many messages, or this long, whichever comes first.
+const TIME_BUDGET: Duration = Duration::from_secs(8);
+
+struct Measured {
+    path: String,
+    size: u64,
+    compile: Duration,
+    messages: usize,
+    call: Percentiles,
+    memory_bytes: usize,
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let plugin_path = std::env::args()
-        .nth(1)
-        .unwrap_or_else(|| "plugins/dist/loyalty.wasm".to_string());
+    let mut paths: Vec<String> = std::env::args().skip(1).collect();
+    if paths.is_empty() {
+        paths.push("plugins/dist/loyalty.wasm".to_string());
+    }
     let runtime = PluginRuntime::new().expect("plugin runtime");
-    let compile_started = Instant::now();
-    let plugin = runtime
-        .load(Path::new(&plugin_path))
-        .expect("loyalty plugin loads (run scripts/build-plugins.sh)");
-    let compile_time = compile_started.elapsed();
-    let size = std::fs::metadata(&plugin_path).map_or(0, |metadata| metadata.len());
-    let limits = PluginLimits::default();
-
+    // The deadline is the benchmark's business, not the sandbox default's: a slow language
+    // must be measured, not rejected.
+    let limits = PluginLimits {
+        deadline_ms: std::num::NonZeroU32::new(10_000).expect("non-zero"),
+        memory_mib: std::num::NonZeroU32::new(256).expect("non-zero"),
+        ..PluginLimits::default()
+    };
     let messages: Vec<InboundMessage> = (0..(WARMUP + MESSAGES) as i64)
         .map(|order_id| InboundMessage {
             pipeline: "loyalty".into(),
@@ -71,60 +83,108 @@ async fn main() {
         })
         .collect();
 
-    let mut plugin_samples = Vec::with_capacity(MESSAGES);
+    let mut measured = Vec::new();
+    for path in &paths {
+        measured.push(measure(&runtime, &limits, path, &messages).await);
+    }
+    let native = measure_native(&messages);
+
+    println!(
+        "plugin overhead: fresh sandbox + call per message, up to {MESSAGES} messages or {}s per plugin after warm-up",
+        TIME_BUDGET.as_secs()
+    );
+    println!(
+        "{:<30} {:>9} {:>11} {:>8} {:>10} {:>10} {:>10} {:>12}",
+        "", "size", "compile", "calls", "p50", "p99", "mean", "memory/call"
+    );
+    for plugin in &measured {
+        println!(
+            "{:<30} {:>6} KiB {:>8.1} ms {:>8} {:>10} {:>10} {:>10} {:>8} KiB",
+            plugin.path,
+            plugin.size / 1024,
+            plugin.compile.as_secs_f64() * 1e3,
+            plugin.messages,
+            micros(plugin.call.p50),
+            micros(plugin.call.p99),
+            micros(plugin.call.mean),
+            plugin.memory_bytes / 1024,
+        );
+    }
+    println!(
+        "{:<30} {:>9} {:>11} {:>8} {:>10} {:>10} {:>10} {:>12}",
+        "baseline: native Rust",
+        "-",
+        "-",
+        MESSAGES,
+        micros(native.p50),
+        micros(native.p99),
+        micros(native.mean),
+        "-"
+    );
+    for plugin in &measured {
+        println!(
+            "{}: sandbox overhead at p50 {} ({:.1}x native)",
+            plugin.path,
+            micros(plugin.call.p50.saturating_sub(native.p50)),
+            plugin.call.p50.as_secs_f64() / native.p50.as_secs_f64().max(1e-9)
+        );
+    }
+}
+
+async fn measure(
+    runtime: &PluginRuntime,
+    limits: &PluginLimits,
+    path: &str,
+    messages: &[InboundMessage],
+) -> Measured {
+    let compile_started = Instant::now();
+    let plugin = runtime
+        .load(Path::new(path))
+        .unwrap_or_else(|error| panic!("{path}: {error} (run scripts/build-plugins.sh)"));
+    let compile = compile_started.elapsed();
+    let size = std::fs::metadata(path).map_or(0, |metadata| metadata.len());
+    let mut samples = Vec::with_capacity(MESSAGES);
+    let mut memory_bytes = 0;
+    let mut measuring_since = None;
     for (index, message) in messages.iter().enumerate() {
         let started = Instant::now();
-        let outcome = runtime.invoke(&plugin, &limits, message).await;
+        let (outcome, stats) = runtime.invoke_measured(&plugin, limits, message).await;
         let elapsed = started.elapsed();
-        let native = native_decision(&message.body);
-        assert_eq!(outcome.ok(), native, "plugin and baseline disagree");
-        if index >= WARMUP {
-            plugin_samples.push(elapsed);
+        assert_eq!(
+            outcome.ok(),
+            native_decision(&message.body),
+            "{path} and the native baseline disagree"
+        );
+        memory_bytes = memory_bytes.max(stats.memory_bytes);
+        if index < WARMUP {
+            continue;
+        }
+        samples.push(elapsed);
+        let since = *measuring_since.get_or_insert_with(Instant::now);
+        if since.elapsed() > TIME_BUDGET {
+            break;
         }
     }
-    let mut native_samples = Vec::with_capacity(MESSAGES);
+    Measured {
+        path: path.to_string(),
+        size,
+        compile,
+        messages: samples.len(),
+        call: Percentiles::of(&mut samples),
+        memory_bytes,
+    }
+}
+
+fn measure_native(messages: &[InboundMessage]) -> Percentiles {
+    let mut samples = Vec::with_capacity(MESSAGES);
     for (index, message) in messages.iter().enumerate() {
         let started = Instant::now();
         let outcome = std::hint::black_box(native_decision(std::hint::black_box(&message.body)));
         let elapsed = started.elapsed();
         drop(outcome);
         if index >= WARMUP {
-            native_samples.push(elapsed);
+            samples.push(elapsed);
         }
     }
-
-    let plugin_stats = Percentiles::of(&mut plugin_samples);
-    let native_stats = Percentiles::of(&mut native_samples);
-    let overhead = |plugin: Duration, native: Duration| plugin.saturating_sub(native);
-    println!(
-        "plugin overhead: {plugin_path} ({} KiB, compiled in {:.1} ms), {MESSAGES} messages after {WARMUP} warm-up",
-        size / 1024,
-        compile_time.as_secs_f64() * 1e3
-    );
-    println!("{:<34} {:>10} {:>10} {:>10}", "", "p50", "p99", "mean");
-    println!(
-        "{:<34} {:>10} {:>10} {:>10}",
-        "plugin: fresh instance + call",
-        micros(plugin_stats.p50),
-        micros(plugin_stats.p99),
-        micros(plugin_stats.mean)
-    );
-    println!(
-        "{:<34} {:>10} {:>10} {:>10}",
-        "baseline: native Rust decision",
-        micros(native_stats.p50),
-        micros(native_stats.p99),
-        micros(native_stats.mean)
-    );
-    println!(
-        "{:<34} {:>10} {:>10} {:>10}",
-        "sandbox overhead (plugin - native)",
-        micros(overhead(plugin_stats.p50, native_stats.p50)),
-        micros(overhead(plugin_stats.p99, native_stats.p99)),
-        micros(overhead(plugin_stats.mean, native_stats.mean))
-    );
-    println!(
-        "ratio plugin/native at p50: {:.1}x",
-        plugin_stats.p50.as_secs_f64() / native_stats.p50.as_secs_f64().max(1e-9)
-    );
+    Percentiles::of(&mut samples)
 }

@@ -33,6 +33,13 @@ pub struct PluginRuntime {
     linker: Arc<Linker<PluginState>>,
 }
 
+/// What one sandboxed call cost.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CallStats {
+    /// Linear memory the instance held when the call ended, over all its memories.
+    pub memory_bytes: usize,
+}
+
 /// A compiled, type-checked component, ready to instantiate per message.
 pub struct LoadedPlugin {
     pre: PluginPre<PluginState>,
@@ -128,6 +135,17 @@ impl PluginRuntime {
         limits: &PluginLimits,
         message: &InboundMessage,
     ) -> Result<Outcome, PluginError> {
+        self.invoke_measured(plugin, limits, message).await.0
+    }
+
+    /// [`invoke`](Self::invoke), also reporting what the sandbox cost (for `idem try` and
+    /// the benchmarks).
+    pub async fn invoke_measured(
+        &self,
+        plugin: &LoadedPlugin,
+        limits: &PluginLimits,
+        message: &InboundMessage,
+    ) -> (Result<Outcome, PluginError>, CallStats) {
         let deadline = limits.deadline();
         let mut store = Store::new(
             &self.engine,
@@ -153,22 +171,27 @@ impl PluginRuntime {
         };
         // The epoch callback stops guest code; the timeout also stops a host call that blocks.
         let result = tokio::time::timeout(deadline + EPOCH_TICK * 2, call).await;
-        let returned = match result {
-            Err(_elapsed) => return Err(PluginError::DeadlineExceeded { deadline }),
-            Ok(Err(error)) => {
-                return Err(classify_trap(
-                    &error,
-                    store.data().limiter.memory_exceeded,
-                    limits,
-                ));
-            }
-            Ok(Ok(returned)) => returned,
+        let stats = CallStats {
+            memory_bytes: store.data().limiter.memory_used,
         };
-        let outcome = bindings::verdict(returned).map_err(PluginError::Rejected)?;
-        check_output(&outcome, limits)?;
-        Ok(outcome)
+        let returned = match result {
+            Err(_elapsed) => Err(PluginError::DeadlineExceeded { deadline }),
+            Ok(Err(error)) => Err(classify_trap(
+                &error,
+                store.data().limiter.memory_exceeded,
+                limits,
+            )),
+            Ok(Ok(returned)) => Ok(returned),
+        };
+        let outcome = returned.and_then(|returned| {
+            let outcome = bindings::verdict(returned).map_err(PluginError::Rejected)?;
+            check_output(&outcome, limits)?;
+            Ok(outcome)
+        });
+        (outcome, stats)
     }
 }
+
 
 fn classify_trap(
     error: &wasmtime::Error,

@@ -34,6 +34,7 @@ impl PluginState {
             limiter: SandboxLimiter {
                 memory_bytes,
                 memory_exceeded: false,
+                memory_used: 0,
             },
             log_lines: 0,
         }
@@ -45,6 +46,8 @@ impl PluginState {
 pub(super) struct SandboxLimiter {
     memory_bytes: usize,
     pub(super) memory_exceeded: bool,
+    /// Linear memory the instance holds, over all its memories: what one message costs.
+    pub(super) memory_used: usize,
 }
 
 /// Tables a plugin may grow to, in elements: far above what compilers emit, far below harm.
@@ -53,7 +56,7 @@ const TABLE_ELEMENTS: usize = 1_000_000;
 impl ResourceLimiter for SandboxLimiter {
     fn memory_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
@@ -64,6 +67,7 @@ impl ResourceLimiter for SandboxLimiter {
                 self.memory_bytes
             );
         }
+        self.memory_used += desired.saturating_sub(current);
         Ok(true)
     }
 

@@ -1,0 +1,17 @@
+// Builds loyalty.js into a component of the `plugin` world: node build.mjs <out.wasm>
+import { componentize } from "@bytecodealliance/componentize-js";
+import { writeFile } from "node:fs/promises";
+import { fileURLToPath } from "node:url";
+import { dirname, resolve } from "node:path";
+
+const here = dirname(fileURLToPath(import.meta.url));
+const out = resolve(process.argv[2] ?? resolve(here, "../dist/loyalty-js.wasm"));
+const { component } = await componentize({
+  sourcePath: resolve(here, "loyalty.js"),
+  witPath: resolve(here, "../../wit"),
+  worldName: "plugin",
+  // No clocks, random, stdio or HTTP: a plugin is a pure function.
+  disableFeatures: ["random", "stdio", "clocks", "http", "fetch-event"],
+});
+await writeFile(out, component);
+console.log(`built ${out} (${component.byteLength} bytes)`);
