@@ -10,7 +10,15 @@ fn main() {
         .expect("tests/ has a parent")
         .to_path_buf();
     // Watch sources only: plugins/target and plugins/dist change with every build.
-    for watched in ["wit", "scripts/build-plugins.sh", "plugins/Cargo.toml"] {
+    for watched in [
+        "wit",
+        "scripts/build-plugins.sh",
+        "plugins/Cargo.toml",
+        "plugins/loyalty-py/app.py",
+        "plugins/loyalty-js/loyalty.js",
+        "plugins/loyalty-js/build.mjs",
+        "plugins/loyalty-js/package-lock.json",
+    ] {
         println!("cargo:rerun-if-changed={}", root.join(watched).display());
     }
     let plugins = std::fs::read_dir(root.join("plugins")).expect("plugins/ exists");

@@ -24,6 +24,8 @@ pub struct Config {
     pub http: Option<HttpConfig>,
     /// Pipelines by name, in name order.
     pub pipelines: Vec<PipelineConfig>,
+    /// The `[outbox]` table: destinations and the relay; none when absent.
+    pub outbox: Option<OutboxConfig>,
 }
 
 /// The `[database]` table.
@@ -70,6 +72,12 @@ pub struct PipelineConfig {
     /// The plugin component, resolved against the config file's directory.
     pub plugin: PathBuf,
     pub claim: ClaimMode,
+    /// With `claim = "natural"`: the statement whose rows affected decide (0 means duplicate).
+    pub claim_statement: Option<String>,
+    /// Isolation, retries and role of the message's transaction.
+    pub transaction: TransactionConfig,
+    /// The outbox destinations this pipeline's `outbox` effects may name.
+    pub outbox: Option<OutboxConfig>,
     pub prefetch: NonZeroU16,
     pub workers: NonZeroUsize,
     /// Where rejected messages go, with the reason in their headers.
@@ -93,6 +101,111 @@ pub struct PipelineConfig {
 pub enum ClaimMode {
     /// A row in `processed_messages` keyed by `(consumer, key)`, inserted in the effects' transaction.
     Ledger,
+    /// The effect's own table holds the unique key: the `claim_statement` runs first, and
+    /// zero rows affected means the message was already applied; nothing else runs.
+    Natural,
+    /// The effects are idempotent by construction (e.g. version-guarded upserts): they all
+    /// run, and zero rows affected by every one of them means the message is `stale`.
+    None,
+}
+
+impl ClaimMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClaimMode::Ledger => "ledger",
+            ClaimMode::Natural => "natural",
+            ClaimMode::None => "none",
+        }
+    }
+}
+
+/// The `[pipelines.<name>.transaction]` table.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransactionConfig {
+    #[serde(default)]
+    pub isolation: Isolation,
+    /// Serialization failures (40001) and deadlocks (40P01) retried before the message is
+    /// requeued for a later delivery. Connection errors are retried without limit.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+    /// A Postgres role the effects run as (`SET LOCAL ROLE`); the claim runs as the host.
+    #[serde(default, deserialize_with = "interpolated_option")]
+    pub role: Option<String>,
+}
+
+impl Default for TransactionConfig {
+    fn default() -> Self {
+        TransactionConfig {
+            isolation: Isolation::default(),
+            retries: default_retries(),
+            role: None,
+        }
+    }
+}
+
+/// Transaction isolation level.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Isolation {
+    #[default]
+    ReadCommitted,
+    RepeatableRead,
+    Serializable,
+}
+
+impl Isolation {
+    /// The SQL words, for `SET TRANSACTION ISOLATION LEVEL …`.
+    pub fn sql(self) -> &'static str {
+        match self {
+            Isolation::ReadCommitted => "READ COMMITTED",
+            Isolation::RepeatableRead => "REPEATABLE READ",
+            Isolation::Serializable => "SERIALIZABLE",
+        }
+    }
+}
+
+/// The `[outbox]` table: where `outbox` effects may go, and how the relay delivers them.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutboxConfig {
+    /// Destinations by name; a plugin's `outbox` effect names one.
+    pub destinations: BTreeMap<String, Destination>,
+    /// Run the relay in this host (several hosts may; rows are taken with SKIP LOCKED).
+    #[serde(default = "default_relay")]
+    pub relay: bool,
+    /// How often the relay looks for rows other hosts wrote.
+    #[serde(default = "default_poll", deserialize_with = "duration")]
+    pub poll: Duration,
+    /// Rows delivered per relay transaction.
+    #[serde(default = "default_outbox_batch")]
+    pub batch_size: NonZeroU32,
+    /// Attempts before a row is parked with its last error.
+    #[serde(default = "default_outbox_attempts")]
+    pub max_attempts: NonZeroU32,
+    /// Delivered rows older than this are deleted.
+    #[serde(default = "default_outbox_retention", deserialize_with = "duration")]
+    pub retention: Duration,
+}
+
+/// One `[outbox.destinations.<name>]` table.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Destination {
+    /// `POST` the payload to `url` with an `Idempotency-Key` header; any 2xx confirms.
+    Http {
+        #[serde(deserialize_with = "interpolated")]
+        url: String,
+        #[serde(default = "default_http_timeout", deserialize_with = "duration")]
+        timeout: Duration,
+    },
+    /// Publish to `exchange` on the `[amqp]` broker with publisher confirms, persistent,
+    /// `mandatory` (an unroutable message is a failed attempt), `message-id` = the key.
+    Amqp {
+        exchange: String,
+        #[serde(default)]
+        routing_key: String,
+    },
 }
 
 /// The `[pipelines.<name>.retention]` table: how long claims are kept (the guide's Step 5).
@@ -170,6 +283,24 @@ impl Config {
         let file: PipelinesFile =
             toml::from_str(text).map_err(|error| invalid(error.to_string()))?;
         let base_dir = path.parent().unwrap_or(Path::new("."));
+        let outbox = match file.outbox {
+            Some(spanned) => {
+                let span = spanned.span();
+                let outbox = spanned.into_inner();
+                for (destination, kind) in &outbox.destinations {
+                    if let Destination::Http { url, .. } = kind
+                        && !url.starts_with("http://")
+                    {
+                        return Err(invalid(format!(
+                            "line {}: outbox.destinations.{destination}.url: {url:?} must be an http:// URL (idem speaks plain HTTP; put a TLS-terminating proxy in front of https endpoints)",
+                            line_of(text, span.start)
+                        )));
+                    }
+                }
+                Some(outbox)
+            }
+            None => None,
+        };
         let mut pipelines = Vec::with_capacity(file.pipelines.len());
         for (name, raw) in file.pipelines {
             let at = |span: Range<usize>, key: &str, problem: String| {
@@ -194,6 +325,46 @@ impl Config {
                     ));
                 }
             }
+            let claim = *raw.claim.get_ref();
+            let claim_statement = match (claim, raw.claim_statement) {
+                (ClaimMode::Natural, Some(statement)) => {
+                    if !raw.statements.get_ref().contains_key(statement.get_ref()) {
+                        return Err(at(
+                            statement.span(),
+                            "claim_statement",
+                            format!(
+                                "{:?} is not one of this pipeline's statements ({})",
+                                statement.get_ref(),
+                                raw.statements
+                                    .get_ref()
+                                    .keys()
+                                    .cloned()
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ),
+                        ));
+                    }
+                    Some(statement.into_inner())
+                }
+                (ClaimMode::Natural, None) => {
+                    return Err(at(
+                        raw.claim.span(),
+                        "claim_statement",
+                        "claim = \"natural\" needs claim_statement, the statement whose rows affected decide (0 rows: duplicate)".into(),
+                    ));
+                }
+                (_, Some(statement)) => {
+                    return Err(at(
+                        statement.span(),
+                        "claim_statement",
+                        format!(
+                            "only used with claim = \"natural\", not {:?}",
+                            claim.as_str()
+                        ),
+                    ));
+                }
+                (_, None) => None,
+            };
             let queue = raw.queue.get_ref().trim().to_string();
             if queue.is_empty() || queue.len() > 255 {
                 return Err(at(
@@ -213,7 +384,10 @@ impl Config {
             pipelines.push(PipelineConfig {
                 consumer: raw.consumer.unwrap_or_else(|| name.clone()),
                 plugin: base_dir.join(raw.plugin),
-                claim: raw.claim,
+                claim,
+                claim_statement,
+                transaction: raw.transaction,
+                outbox: outbox.clone(),
                 prefetch: raw.prefetch,
                 workers: raw.workers,
                 dead_letter_queue,
@@ -259,6 +433,7 @@ impl Config {
             amqp: file.amqp,
             http,
             pipelines,
+            outbox,
         })
     }
 
@@ -299,6 +474,7 @@ struct PipelinesFile {
     http: Option<Spanned<HttpConfig>>,
     #[serde(default)]
     pipelines: BTreeMap<String, RawPipeline>,
+    outbox: Option<Spanned<OutboxConfig>>,
 }
 
 #[derive(Deserialize)]
@@ -310,7 +486,10 @@ struct RawPipeline {
     #[serde(deserialize_with = "interpolated_path")]
     plugin: PathBuf,
     #[serde(default = "default_claim")]
-    claim: ClaimMode,
+    claim: Spanned<ClaimMode>,
+    claim_statement: Option<Spanned<String>>,
+    #[serde(default)]
+    transaction: TransactionConfig,
     #[serde(default = "default_prefetch")]
     prefetch: NonZeroU16,
     #[serde(default = "default_workers")]
@@ -363,8 +542,36 @@ fn default_max_connections() -> NonZeroU32 {
     NonZeroU32::new(16).expect("non-zero literal")
 }
 
-fn default_claim() -> ClaimMode {
-    ClaimMode::Ledger
+fn default_claim() -> Spanned<ClaimMode> {
+    Spanned::new(0..0, ClaimMode::Ledger)
+}
+
+fn default_retries() -> u32 {
+    10
+}
+
+fn default_relay() -> bool {
+    true
+}
+
+fn default_poll() -> Duration {
+    Duration::from_millis(250)
+}
+
+fn default_outbox_batch() -> NonZeroU32 {
+    NonZeroU32::new(32).expect("non-zero literal")
+}
+
+fn default_outbox_attempts() -> NonZeroU32 {
+    NonZeroU32::new(12).expect("non-zero literal")
+}
+
+fn default_outbox_retention() -> Duration {
+    Duration::from_secs(7 * 86_400)
+}
+
+fn default_http_timeout() -> Duration {
+    Duration::from_secs(10)
 }
 
 fn default_prefetch() -> NonZeroU16 {

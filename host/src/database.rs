@@ -27,7 +27,7 @@ pub enum DatabaseError {
         source: MigrateError,
     },
     #[error(
-        "table processed_messages is missing or unreadable at {endpoint} ({source}); run `idem migrate --config <file>` first"
+        "idem's tables are missing or out of date at {endpoint} ({source}); run `idem migrate --config <file>` first"
     )]
     Schema {
         endpoint: String,
@@ -81,16 +81,30 @@ pub async fn migrate(pool: &PgPool, config: &DatabaseConfig) -> Result<(), Datab
         })
 }
 
-/// Fails unless the claim table exists and is usable.
-pub async fn check_schema(pool: &PgPool, config: &DatabaseConfig) -> Result<(), DatabaseError> {
-    sqlx::query(
+/// Fails unless the host's tables (claims, and the outbox when `outbox` is configured) exist
+/// and are usable: a missing table must stop start-up, not dead-letter every message.
+pub async fn check_schema(
+    pool: &PgPool,
+    config: &DatabaseConfig,
+    outbox: bool,
+) -> Result<(), DatabaseError> {
+    let mut probes = vec![
         "SELECT consumer, message_key, processed_at, plugin_digest FROM processed_messages LIMIT 0",
-    )
-    .execute(pool)
-    .await
-    .map(drop)
-    .map_err(|source| DatabaseError::Schema {
-        endpoint: redact_url(&config.url),
-        source,
-    })
+    ];
+    if outbox {
+        probes.push(
+            "SELECT id, destination, idempotency_key, payload, headers, attempts, next_attempt_at, \
+             last_error, delivered_at, parked_at FROM idem_outbox LIMIT 0",
+        );
+    }
+    for probe in probes {
+        sqlx::query(probe)
+            .execute(pool)
+            .await
+            .map_err(|source| DatabaseError::Schema {
+                endpoint: redact_url(&config.url),
+                source,
+            })?;
+    }
+    Ok(())
 }

@@ -22,6 +22,18 @@ pub enum Effect {
         statement: String,
         params: Vec<Value>,
     },
+    /// Write a message to the outbox, delivered by the relay after the commit.
+    Outbox(OutboxMessage),
+}
+
+/// A message for an outbox destination.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxMessage {
+    pub destination: String,
+    pub payload: Vec<u8>,
+    pub headers: Vec<(String, String)>,
+    /// The destination's idempotency key; the decision's key when `None`.
+    pub key: Option<String>,
 }
 
 /// A typed statement parameter, converted to the statement's declared type when bound.
@@ -86,8 +98,20 @@ impl Decision {
             + self
                 .effects
                 .iter()
-                .map(|Effect::Exec { statement, params }| {
-                    statement.len() + params.iter().map(Value::size).sum::<usize>()
+                .map(|effect| match effect {
+                    Effect::Exec { statement, params } => {
+                        statement.len() + params.iter().map(Value::size).sum::<usize>()
+                    }
+                    Effect::Outbox(message) => {
+                        message.destination.len()
+                            + message.payload.len()
+                            + message
+                                .headers
+                                .iter()
+                                .map(|(name, value)| name.len() + value.len())
+                                .sum::<usize>()
+                            + message.key.as_ref().map_or(0, String::len)
+                    }
                 })
                 .sum::<usize>()
     }

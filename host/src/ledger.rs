@@ -1,13 +1,18 @@
-//! The one transaction per message: claim, effects, commit.
+//! The one transaction per message: claim, effects, outbox rows, commit.
 //!
-//! Architecture invariant: the claim and the effects share one transaction, and a claim
-//! is never committed without its effects. A duplicate claim runs no effect.
+//! Architecture invariant: the claim, the effects and the outbox rows share one transaction,
+//! and a claim is never committed without its effects. A duplicate claim runs no effect.
+//! Claim strategies: `ledger` (a `processed_messages` row), `natural` (the first effect's
+//! unique key decides), `none` (idempotent effects; nothing changed means stale).
 
 use sqlx::PgPool;
 use sqlx::error::ErrorKind;
 
+use crate::config::{ClaimMode, Isolation, PipelineConfig};
+use crate::effect::{Decision, Effect};
 use crate::failpoint::Failpoint;
-use crate::statement::BoundEffect;
+use crate::outbox::{self, OutboxError, OutboxRow};
+use crate::statement::{BoundEffect, EffectError, StatementCatalog};
 
 /// The guide's Step 2 claim: zero rows affected means another delivery already applied it.
 /// The claim also records which plugin build decided (`plugin_digest`).
@@ -21,6 +26,9 @@ pub enum ClaimOutcome {
     Applied,
     /// The claim existed: nothing ran.
     Duplicate,
+    /// No claim (`claim = "none"`), and no effect changed a row: an older or repeated
+    /// version. Rolled back; acked.
+    Stale,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -47,58 +55,195 @@ const PARTITIONED_CLAIM_SQL: &str = "INSERT INTO processed_messages (consumer, m
        (SELECT 1 FROM processed_messages WHERE consumer = $1 AND message_key = $2) \
      ON CONFLICT DO NOTHING";
 
-/// The identity of one claim.
+/// How the transaction recognises a message it already applied.
 #[derive(Debug, Clone, Copy)]
-pub struct Claim<'a> {
-    pub consumer: &'a str,
-    pub key: &'a str,
-    /// The digest of the plugin build that decided.
-    pub plugin_digest: &'a str,
-    /// `processed_messages` is partitioned by day (see `partition`).
-    pub partitioned: bool,
+pub enum ClaimStrategy<'a> {
+    /// A `processed_messages` row for `(consumer, key)`, recording the plugin build.
+    Ledger {
+        consumer: &'a str,
+        plugin_digest: &'a str,
+        /// `processed_messages` is partitioned by day (see `partition`).
+        partitioned: bool,
+    },
+    /// The plan's first effect is the claim: zero rows affected means duplicate.
+    Natural,
+    /// No claim: zero rows affected by every effect means stale.
+    None,
 }
 
-/// Claims `(consumer, key)` and, only if the claim is new, runs `effects`, in one transaction.
-pub async fn apply(
-    pool: &PgPool,
-    claim: Claim<'_>,
-    effects: &[BoundEffect<'_>],
-) -> Result<ClaimOutcome, LedgerError> {
+/// Everything one message's transaction does, checked before it opens.
+#[derive(Debug)]
+pub struct Plan<'a> {
+    /// The decision's idempotency key.
+    pub key: &'a str,
+    pub claim: ClaimStrategy<'a>,
+    pub isolation: Isolation,
+    /// The role the effects run as (`SET LOCAL ROLE`).
+    pub role: Option<&'a str>,
+    /// Statement calls in order; with a natural claim, the claim statement first.
+    pub effects: Vec<BoundEffect<'a>>,
+    pub outbox: Vec<OutboxRow>,
+    /// The consumer name the outbox rows record.
+    pub consumer: &'a str,
+}
+
+/// A decision that cannot become a transaction: the message is rejected, nothing runs.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error(transparent)]
+    Effect(#[from] EffectError),
+    #[error(transparent)]
+    Outbox(#[from] OutboxError),
+    #[error(
+        "claim = \"natural\" needs exactly one call of its claim statement {statement:?}; the decision has {calls}"
+    )]
+    ClaimStatement { statement: String, calls: usize },
+}
+
+impl<'a> Plan<'a> {
+    /// Checks every effect of `decision` against the pipeline's statements and outbox
+    /// destinations, and orders them for `config`'s claim strategy.
+    pub fn build(
+        config: &'a PipelineConfig,
+        statements: &'a StatementCatalog,
+        decision: &'a Decision,
+        plugin_digest: &'a str,
+        partitioned: bool,
+    ) -> Result<Plan<'a>, PlanError> {
+        let mut effects = Vec::with_capacity(decision.effects.len());
+        let mut outbox = Vec::new();
+        for effect in &decision.effects {
+            match effect {
+                Effect::Exec { statement, params } => {
+                    effects.push(statements.bind(statement, params)?);
+                }
+                Effect::Outbox(message) => outbox.push(OutboxRow::from_effect(
+                    message,
+                    &decision.key,
+                    config.outbox.as_ref(),
+                )?),
+            }
+        }
+        let claim = match config.claim {
+            ClaimMode::Ledger => ClaimStrategy::Ledger {
+                consumer: &config.consumer,
+                plugin_digest,
+                partitioned,
+            },
+            ClaimMode::Natural => {
+                let statement = config.claim_statement.as_deref().unwrap_or_default();
+                let calls: Vec<usize> = effects
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, effect)| effect.statement == statement)
+                    .map(|(position, _)| position)
+                    .collect();
+                let [position] = calls[..] else {
+                    return Err(PlanError::ClaimStatement {
+                        statement: statement.to_string(),
+                        calls: calls.len(),
+                    });
+                };
+                let claim_effect = effects.remove(position);
+                effects.insert(0, claim_effect);
+                ClaimStrategy::Natural
+            }
+            ClaimMode::None => ClaimStrategy::None,
+        };
+        Ok(Plan {
+            key: &decision.key,
+            claim,
+            isolation: config.transaction.isolation,
+            role: config.transaction.role.as_deref(),
+            effects,
+            outbox,
+            consumer: &config.consumer,
+        })
+    }
+}
+
+/// Runs `plan` in one transaction: the claim, and only if it is new, the effects and the
+/// outbox rows; then commit.
+pub async fn apply(pool: &PgPool, plan: &Plan<'_>) -> Result<ClaimOutcome, LedgerError> {
     let transient = |source| LedgerError::Transient { source };
     let mut transaction = pool.begin().await.map_err(transient)?;
-    if claim.partitioned {
-        sqlx::query(PARTITIONED_LOCK_SQL)
-            .bind(claim.consumer)
-            .bind(claim.key)
-            .execute(&mut *transaction)
-            .await
-            .map_err(|source| classify(source, "claim"))?;
+    if plan.isolation != Isolation::ReadCommitted {
+        sqlx::query(&format!(
+            "SET TRANSACTION ISOLATION LEVEL {}",
+            plan.isolation.sql()
+        ))
+        .execute(&mut *transaction)
+        .await
+        .map_err(|source| classify(source, "isolation"))?;
     }
-    let claim_sql = if claim.partitioned {
-        PARTITIONED_CLAIM_SQL
-    } else {
-        CLAIM_SQL
-    };
-    let claimed = sqlx::query(claim_sql)
-        .bind(claim.consumer)
-        .bind(claim.key)
-        .bind(claim.plugin_digest)
+    if let ClaimStrategy::Ledger {
+        consumer,
+        plugin_digest,
+        partitioned,
+    } = plan.claim
+    {
+        if partitioned {
+            sqlx::query(PARTITIONED_LOCK_SQL)
+                .bind(consumer)
+                .bind(plan.key)
+                .execute(&mut *transaction)
+                .await
+                .map_err(|source| classify(source, "claim"))?;
+        }
+        let claimed = sqlx::query(if partitioned {
+            PARTITIONED_CLAIM_SQL
+        } else {
+            CLAIM_SQL
+        })
+        .bind(consumer)
+        .bind(plan.key)
+        .bind(plugin_digest)
         .execute(&mut *transaction)
         .await
         .map_err(|source| classify(source, "claim"))?
         .rows_affected();
-    if claimed == 0 {
-        transaction.commit().await.map_err(transient)?;
-        return Ok(ClaimOutcome::Duplicate);
+        if claimed == 0 {
+            transaction.rollback().await.map_err(transient)?;
+            return Ok(ClaimOutcome::Duplicate);
+        }
     }
-    for effect in effects {
+    if let Some(role) = plan.role {
+        sqlx::query(&format!("SET LOCAL ROLE {}", quote_identifier(role)))
+            .execute(&mut *transaction)
+            .await
+            .map_err(|source| classify(source, "role"))?;
+    }
+    let mut rows_changed = 0;
+    for (position, effect) in plan.effects.iter().enumerate() {
         let arguments = effect
             .arguments()
             .map_err(|source| classify(source, effect.statement))?;
-        sqlx::query_with(effect.sql, arguments)
+        let rows = sqlx::query_with(effect.sql, arguments)
             .execute(&mut *transaction)
             .await
-            .map_err(|source| classify(source, effect.statement))?;
+            .map_err(|source| classify(source, effect.statement))?
+            .rows_affected();
+        if position == 0 && rows == 0 && matches!(plan.claim, ClaimStrategy::Natural) {
+            transaction.rollback().await.map_err(transient)?;
+            return Ok(ClaimOutcome::Duplicate);
+        }
+        rows_changed += rows;
+    }
+    if rows_changed == 0 && matches!(plan.claim, ClaimStrategy::None) {
+        // Nothing changed: an older or repeated version. Its outbox messages stay unsent.
+        transaction.rollback().await.map_err(transient)?;
+        return Ok(ClaimOutcome::Stale);
+    }
+    if !plan.outbox.is_empty() {
+        if plan.role.is_some() {
+            sqlx::query("RESET ROLE")
+                .execute(&mut *transaction)
+                .await
+                .map_err(|source| classify(source, "role"))?;
+        }
+        outbox::insert(&mut transaction, plan.consumer, plan.key, &plan.outbox)
+            .await
+            .map_err(|source| classify(source, "outbox"))?;
     }
     Failpoint::BeforeCommit.hit();
     transaction
@@ -106,6 +251,18 @@ pub async fn apply(
         .await
         .map_err(|source| classify(source, "commit"))?;
     Ok(ClaimOutcome::Applied)
+}
+
+/// `name` as a quoted SQL identifier.
+fn quote_identifier(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Serialization failures and deadlocks: the transaction lost a race and may simply be run
+/// again. Counted against the pipeline's retry budget, unlike connection errors.
+pub fn is_conflict(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(database_error)
+        if matches!(database_error.code().as_deref(), Some("40001" | "40P01")))
 }
 
 /// Sorts a failure into "try again" or "this message can never apply".

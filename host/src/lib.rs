@@ -11,7 +11,8 @@
 //! - [`process`]: one message start to finish; the only place that picks a disposition.
 //! - [`plugin`]: wasmtime components, a fresh sandbox per message, deadline and memory limits.
 //! - [`statement`]: named statements, prepared at start-up, effects type-checked against them.
-//! - [`ledger`]: the transaction: claim, effects, commit.
+//! - [`ledger`]: the transaction: claim (ledger, natural or none), effects, outbox rows, commit.
+//! - [`outbox`]: outbox rows, and the relay that delivers them after commit.
 //! - [`amqp`]: lapin: connect, declare, consume, dead-letter, ack.
 //! - [`reload`]: hot swap of plugins (file watch, SIGHUP, admin call).
 //! - [`retention`], [`partition`]: batched deletion of old claims, or daily partitions dropped whole.
@@ -30,6 +31,7 @@ pub mod http;
 pub mod ledger;
 pub mod message;
 pub mod metrics;
+pub mod outbox;
 pub mod partition;
 pub mod pipeline;
 pub mod plugin;
@@ -49,6 +51,7 @@ use crate::config::Config;
 use crate::database::DatabaseError;
 use crate::http::HttpError;
 use crate::metrics::Metrics;
+use crate::outbox::RelayWaker;
 use crate::pipeline::{Pipeline, PipelineError};
 use crate::plugin::{PluginError, PluginRuntime};
 
@@ -87,18 +90,30 @@ pub async fn run_with_metrics(
         let Some(pool) = database::connect(&config.database, &token).await else {
             return Ok(());
         };
-        database::check_schema(&pool, &config.database).await?;
+        database::check_schema(&pool, &config.database, config.outbox.is_some()).await?;
         let runtime = PluginRuntime::new()?;
+        let relay = RelayWaker::default();
         let mut pipelines = Vec::with_capacity(config.pipelines.len());
         for pipeline_config in &config.pipelines {
-            let pipeline = Pipeline::start(
+            let mut pipeline = Pipeline::start(
                 pipeline_config.clone(),
                 runtime.clone(),
                 pool.clone(),
                 Arc::clone(&metrics),
             )
             .await?;
+            pipeline.relay = relay.clone();
             pipelines.push(Arc::new(pipeline));
+        }
+        if let Some(outbox_config) = config.outbox.as_ref().filter(|outbox| outbox.relay) {
+            outbox::spawn_relay(
+                outbox_config.clone(),
+                pool.clone(),
+                config.amqp.url.clone(),
+                Arc::clone(&metrics),
+                relay,
+                token.clone(),
+            );
         }
         let http = match &config.http {
             Some(http_config) => Some(

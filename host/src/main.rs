@@ -254,7 +254,9 @@ async fn check(path: &Path) -> anyhow::Result<ExitCode> {
     match database::connect_once(&config.database).await {
         Err(error) => problems.push(error.to_string()),
         Ok(pool) => {
-            if let Err(error) = database::check_schema(&pool, &config.database).await {
+            if let Err(error) =
+                database::check_schema(&pool, &config.database, config.outbox.is_some()).await
+            {
                 problems.push(error.to_string());
             }
             for pipeline_config in &config.pipelines {
@@ -328,6 +330,15 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    if let (Some(pool), Some(_)) = (&pool, &config.outbox) {
+        match idem_host::outbox::backlog(pool).await {
+            Ok(backlog) => println!(
+                "outbox: {} pending, {} parked, {} delivered (kept for retention)",
+                backlog.pending, backlog.parked, backlog.delivered
+            ),
+            Err(error) => println!("outbox: unknown ({error})"),
+        }
+    }
     if pool.is_none() {
         println!("(database unreachable: claims not shown)");
     }
@@ -387,21 +398,30 @@ async fn try_message(path: &Path, pipeline_name: &str, message: &Path) -> anyhow
 }
 
 fn effect_json(effect: &Effect) -> serde_json::Value {
-    let Effect::Exec { statement, params } = effect;
-    let params: Vec<serde_json::Value> = params
-        .iter()
-        .map(|value| match value {
-            Value::Null => json!({ "null": null }),
-            Value::Boolean(flag) => json!({ "boolean": flag }),
-            Value::Integer(integer) => json!({ "integer": integer }),
-            Value::Float(float) => json!({ "float": float }),
-            Value::Text(text) => json!({ "text": text }),
-            Value::Json(text) => json!({ "json": text }),
-            Value::Bytes(bytes) => json!({ "bytes": bytes }),
-            Value::Timestamp(micros) => json!({ "timestamp": micros }),
-        })
-        .collect();
-    json!({ "exec": { "statement": statement, "params": params } })
+    match effect {
+        Effect::Exec { statement, params } => {
+            let params: Vec<serde_json::Value> = params
+                .iter()
+                .map(|value| match value {
+                    Value::Null => json!({ "null": null }),
+                    Value::Boolean(flag) => json!({ "boolean": flag }),
+                    Value::Integer(integer) => json!({ "integer": integer }),
+                    Value::Float(float) => json!({ "float": float }),
+                    Value::Text(text) => json!({ "text": text }),
+                    Value::Json(text) => json!({ "json": text }),
+                    Value::Bytes(bytes) => json!({ "bytes": bytes }),
+                    Value::Timestamp(micros) => json!({ "timestamp": micros }),
+                })
+                .collect();
+            json!({ "exec": { "statement": statement, "params": params } })
+        }
+        Effect::Outbox(message) => json!({ "outbox": {
+            "destination": message.destination,
+            "payload": String::from_utf8_lossy(&message.payload),
+            "headers": message.headers,
+            "key": message.key,
+        } }),
+    }
 }
 
 /// Completes on SIGTERM or SIGINT.

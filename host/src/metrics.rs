@@ -21,6 +21,13 @@ pub struct Metrics {
     database_retries: Family<RetryLabels, Counter>,
     plugin_reloads: Family<ReloadLabels, Counter>,
     claims_deleted: Family<PipelineLabels, Counter>,
+    outbox_deliveries: Family<DestinationLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DestinationLabels {
+    destination: String,
+    result: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -63,7 +70,7 @@ impl Metrics {
         let messages = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "messages",
-            "Messages settled, by pipeline and outcome (applied, duplicate, skipped, rejected, retried, requeued)",
+            "Messages settled, by pipeline and outcome (applied, duplicate, stale, skipped, rejected, retried, requeued)",
             messages.clone(),
         );
         let plugin_seconds = Family::<PipelineLabels, Histogram>::new_with_constructor(
@@ -108,8 +115,15 @@ impl Metrics {
             "Claims deleted by retention",
             claims_deleted.clone(),
         );
+        let outbox_deliveries = Family::<DestinationLabels, Counter>::default();
+        registry.register(
+            "outbox_deliveries",
+            "Outbox delivery attempts, by destination and result (delivered, failed, parked)",
+            outbox_deliveries.clone(),
+        );
         Metrics {
             registry,
+            outbox_deliveries,
             claims_deleted,
             messages,
             plugin_seconds,
@@ -150,6 +164,25 @@ impl Metrics {
             .get_or_create(&RetryLabels {
                 pipeline: pipeline.to_string(),
                 sqlstate: sqlstate.to_string(),
+            })
+            .inc();
+    }
+
+    /// The count of transactions of `pipeline` retried after `sqlstate`.
+    pub fn database_retries(&self, pipeline: &str, sqlstate: &str) -> u64 {
+        self.database_retries
+            .get_or_create(&RetryLabels {
+                pipeline: pipeline.to_string(),
+                sqlstate: sqlstate.to_string(),
+            })
+            .get()
+    }
+
+    pub fn outbox_delivered(&self, destination: &str, result: &'static str) {
+        self.outbox_deliveries
+            .get_or_create(&DestinationLabels {
+                destination: destination.to_string(),
+                result,
             })
             .inc();
     }

@@ -16,10 +16,12 @@ use tracing::{debug, info, warn};
 
 use crate::amqp::{self, AmqpError, Receipt, Session};
 use crate::backoff::Backoff;
-use crate::config::PipelineConfig;
+use crate::config::{ClaimMode, Isolation, PipelineConfig};
 use crate::effect::Outcome;
+use crate::ledger::Plan;
 use crate::message::InboundMessage;
 use crate::metrics::Metrics;
+use crate::outbox::RelayWaker;
 use crate::plugin::{LoadedPlugin, PluginError, PluginRuntime};
 use crate::process::{self, Disposition};
 use crate::statement::{StatementCatalog, StatementErrors};
@@ -41,6 +43,8 @@ pub struct Pipeline {
     pub partitioned_claims: bool,
     /// Serialises reloads of this pipeline.
     pub(crate) reload_lock: tokio::sync::Mutex<()>,
+    /// Wakes this host's outbox relay after a commit that wrote outbox rows.
+    pub relay: RelayWaker,
 }
 
 /// What the last reload attempt of a pipeline's plugin did.
@@ -64,6 +68,19 @@ pub enum PipelineError {
     Schema {
         pipeline: String,
         source: sqlx::Error,
+    },
+    #[error("pipeline {pipeline:?}: transaction.role {role:?} cannot be used: {reason}")]
+    Role {
+        pipeline: String,
+        role: String,
+        reason: String,
+    },
+    #[error(
+        "pipeline {pipeline:?}: processed_messages is partitioned, and partition-safe claims need transaction.isolation = \"read-committed\", not {isolation:?}"
+    )]
+    PartitionIsolation {
+        pipeline: String,
+        isolation: crate::config::Isolation,
     },
     #[error("pipeline {pipeline:?}: plugin {digest} failed its self-test {path:?}: {reason}")]
     SelfTest {
@@ -92,6 +109,18 @@ impl Pipeline {
                     pipeline: config.name.clone(),
                     source,
                 })?;
+        if partitioned_claims
+            && config.claim == ClaimMode::Ledger
+            && config.transaction.isolation != Isolation::ReadCommitted
+        {
+            return Err(PipelineError::PartitionIsolation {
+                pipeline: config.name.clone(),
+                isolation: config.transaction.isolation,
+            });
+        }
+        if let Some(role) = &config.transaction.role {
+            check_role(&pool, &config.name, role).await?;
+        }
         info!(
             pipeline = %config.name,
             plugin = %plugin.path.display(),
@@ -110,6 +139,7 @@ impl Pipeline {
             consuming: AtomicBool::new(false),
             partitioned_claims,
             reload_lock: tokio::sync::Mutex::new(()),
+            relay: RelayWaker::default(),
         })
     }
 
@@ -147,14 +177,34 @@ pub async fn self_test(
     match runtime.invoke(plugin, &config.limits, &message).await {
         Ok(Outcome::Skip { .. }) => Ok(()),
         Ok(Outcome::Decision(decision)) => {
-            for effect in &decision.effects {
-                statements
-                    .bind(effect)
-                    .map_err(|error| refuse(error.to_string()))?;
-            }
+            Plan::build(config, statements, &decision, &plugin.digest, false)
+                .map_err(|error| refuse(error.to_string()))?;
             Ok(())
         }
         Err(error) => Err(refuse(error.to_string())),
+    }
+}
+
+/// The host's login role must be able to `SET ROLE` to `role`.
+async fn check_role(pool: &PgPool, pipeline: &str, role: &str) -> Result<(), PipelineError> {
+    let refuse = |reason: String| PipelineError::Role {
+        pipeline: pipeline.to_string(),
+        role: role.to_string(),
+        reason,
+    };
+    let member: Option<bool> = sqlx::query_scalar(
+        "SELECT pg_has_role(current_user, oid, 'MEMBER') FROM pg_roles WHERE rolname = $1",
+    )
+    .bind(role)
+    .fetch_optional(pool)
+    .await
+    .map_err(|error| refuse(error.to_string()))?;
+    match member {
+        None => Err(refuse("no such role".into())),
+        Some(false) => Err(refuse(
+            "the host's login role is not a member of it (GRANT it to the host's role)".into(),
+        )),
+        Some(true) => Ok(()),
     }
 }
 

@@ -11,7 +11,7 @@ use tracing::{Instrument, debug, warn};
 use crate::backoff::Backoff;
 use crate::effect::{FailureKind, Outcome};
 use crate::failpoint::Failpoint;
-use crate::ledger::{self, Claim, ClaimOutcome, LedgerError};
+use crate::ledger::{self, ClaimOutcome, LedgerError, Plan};
 use crate::message::InboundMessage;
 use crate::pipeline::Pipeline;
 use crate::plugin::PluginError;
@@ -31,7 +31,8 @@ pub enum Disposition {
     },
     /// The plugin asked for another try: republish with `attempt`, then ack.
     Retry { attempt: u32, reason: String },
-    /// Not settled (the host is stopping while the database is down): return it to the queue.
+    /// Not settled (the host is stopping while the database is down, or the transaction
+    /// kept conflicting past the retry budget): return it to the queue.
     Requeue,
 }
 
@@ -40,6 +41,8 @@ pub enum Disposition {
 pub enum Settled {
     Applied,
     Duplicate,
+    /// `claim = "none"`: no effect changed a row (an older or repeated version).
+    Stale,
     Skipped,
 }
 
@@ -60,6 +63,7 @@ impl Settled {
         match self {
             Settled::Applied => "applied",
             Settled::Duplicate => "duplicate",
+            Settled::Stale => "stale",
             Settled::Skipped => "skipped",
         }
     }
@@ -143,13 +147,14 @@ async fn decide(
             ),
         };
     }
-    let bound = match decision
-        .effects
-        .iter()
-        .map(|effect| pipeline.statements.bind(effect))
-        .collect::<Result<Vec<_>, _>>()
-    {
-        Ok(bound) => bound,
+    let plan = match Plan::build(
+        &pipeline.config,
+        &pipeline.statements,
+        &decision,
+        &plugin.digest,
+        pipeline.partitioned_claims,
+    ) {
+        Ok(plan) => plan,
         Err(error) => {
             return Disposition::DeadLetter {
                 error_kind: "invalid-effect",
@@ -157,28 +162,30 @@ async fn decide(
             };
         }
     };
-    let claim = Claim {
-        consumer: &pipeline.config.consumer,
-        key: &decision.key,
-        plugin_digest: &plugin.digest,
-        partitioned: pipeline.partitioned_claims,
-    };
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
+    let mut conflicts = 0;
     loop {
         let transaction_started = Instant::now();
-        let applied = ledger::apply(&pipeline.pool, claim, &bound).await;
+        let applied = ledger::apply(&pipeline.pool, &plan).await;
         pipeline
             .metrics
             .transaction_finished(pipeline.name(), transaction_started.elapsed());
         match applied {
             Ok(ClaimOutcome::Applied) => {
                 Failpoint::AfterCommit.hit();
+                if !plan.outbox.is_empty() {
+                    pipeline.relay.wake();
+                }
                 debug!(key = %decision.key, "Applied.");
                 return Disposition::Ack(Settled::Applied);
             }
             Ok(ClaimOutcome::Duplicate) => {
                 debug!(key = %decision.key, "Duplicate: already applied.");
                 return Disposition::Ack(Settled::Duplicate);
+            }
+            Ok(ClaimOutcome::Stale) => {
+                debug!(key = %decision.key, "Stale: no effect changed a row.");
+                return Disposition::Ack(Settled::Stale);
             }
             Err(LedgerError::Effect { statement, source }) => {
                 return Disposition::DeadLetter {
@@ -193,13 +200,30 @@ async fn decide(
                 pipeline
                     .metrics
                     .database_retried(pipeline.name(), &ledger::retry_label(&source));
+                if ledger::is_conflict(&source) {
+                    conflicts += 1;
+                    let budget = pipeline.config.transaction.retries;
+                    if conflicts > budget {
+                        warn!(
+                            key = %decision.key,
+                            error = %source,
+                            retries = budget,
+                            "Transaction kept conflicting; the message goes back to the queue."
+                        );
+                        return Disposition::Requeue;
+                    }
+                }
                 let delay = backoff.next_delay();
-                warn!(
-                    key = %decision.key,
-                    error = %source,
-                    retry_in_ms = delay.as_millis() as u64,
-                    "PostgreSQL unavailable; the message stays unacked and will be retried."
-                );
+                if ledger::is_conflict(&source) {
+                    debug!(key = %decision.key, error = %source, retry_in_ms = delay.as_millis() as u64, "Transaction conflicted; retrying it.");
+                } else {
+                    warn!(
+                        key = %decision.key,
+                        error = %source,
+                        retry_in_ms = delay.as_millis() as u64,
+                        "PostgreSQL unavailable; the message stays unacked and will be retried."
+                    );
+                }
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
                     () = shutdown.cancelled() => return Disposition::Requeue,

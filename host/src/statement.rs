@@ -10,7 +10,7 @@ use sqlx::postgres::{PgArguments, PgPool, PgTypeInfo};
 use sqlx::{Arguments, Either, Executor, Statement, TypeInfo};
 
 use crate::config::PipelineConfig;
-use crate::effect::{Effect, Value};
+use crate::effect::Value;
 
 /// The statements of one pipeline, with the parameter types Postgres inferred for them.
 #[derive(Debug)]
@@ -153,18 +153,19 @@ impl StatementCatalog {
         })
     }
 
-    /// Checks `effect` against its statement and converts its values to the declared types.
+    /// Checks a call of `statement` with `params` against the statement and converts its
+    /// values to the declared types.
     pub fn bind<'catalog>(
         &'catalog self,
-        effect: &Effect,
+        statement: &str,
+        params: &[Value],
     ) -> Result<BoundEffect<'catalog>, EffectError> {
-        let Effect::Exec { statement, params } = effect;
         let (name, prepared) = self.statements.get_key_value(statement).ok_or_else(|| {
             let mut known: Vec<&str> = self.statements.keys().map(String::as_str).collect();
             known.sort_unstable();
             EffectError::UnknownStatement {
                 pipeline: self.pipeline.clone(),
-                statement: statement.clone(),
+                statement: statement.to_string(),
                 known: known.join(", "),
             }
         })?;
@@ -402,11 +403,7 @@ mod tests {
     #[track_caller]
     fn check(statement: &str, params: Vec<Value>, expected: Result<(), &str>) {
         let catalog = catalog();
-        let effect = Effect::Exec {
-            statement: statement.to_string(),
-            params,
-        };
-        match (catalog.bind(&effect), expected) {
+        match (catalog.bind(statement, &params), expected) {
             (Ok(bound), Ok(())) => {
                 assert_eq!(bound.statement, statement);
                 bound.arguments().expect("arguments encode");

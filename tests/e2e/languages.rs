@@ -33,7 +33,10 @@ fn render(result: &Result<Outcome, PluginError>) -> serde_json::Value {
         Ok(Outcome::Decision(decision)) => serde_json::json!({
             "outcome": "decision",
             "key": decision.key,
-            "effects": decision.effects.iter().map(|Effect::Exec { statement, params }| {
+            "effects": decision.effects.iter().map(|effect| {
+                let Effect::Exec { statement, params } = effect else {
+                    return serde_json::json!(format!("{effect:?}"));
+                };
                 let params: Vec<serde_json::Value> = params.iter().map(|value| match value {
                     Value::Integer(integer) => serde_json::json!(integer),
                     other => serde_json::json!(format!("{other:?}")),

@@ -1,9 +1,11 @@
 //! End-to-end tests against real PostgreSQL and RabbitMQ (start them with scripts/services.sh).
 
 mod broker;
+mod claims;
 mod crash;
 mod dedup;
 mod hot_swap;
 mod languages;
 mod operations;
+mod outbox;
 mod sandbox;

@@ -28,6 +28,13 @@ pub const PLUGIN_DIST: &str = env!("IDEM_PLUGIN_DIST");
 /// The repository root.
 pub const REPO_ROOT: &str = env!("IDEM_REPO_ROOT");
 
+/// The example pipelines' business tables, applied to every test database.
+const EXAMPLE_SCHEMAS: [&str; 3] = [
+    "examples/loyalty/schema.sql",
+    "examples/customer-profile/schema.sql",
+    "examples/receipts/schema.sql",
+];
+
 /// A plugin built from `plugins/<name>`.
 pub fn plugin_path(name: &str) -> PathBuf {
     Path::new(PLUGIN_DIST).join(format!("{name}.wasm"))
@@ -80,13 +87,15 @@ impl TestEnv {
             .run(&pool)
             .await
             .expect("host migrations apply");
-        let schema =
-            std::fs::read_to_string(Path::new(REPO_ROOT).join("examples/loyalty/schema.sql"))
-                .expect("demo schema readable");
-        sqlx::raw_sql(&schema)
-            .execute(&pool)
-            .await
-            .expect("demo schema applies");
+        for example in EXAMPLE_SCHEMAS {
+            let path = Path::new(REPO_ROOT).join(example);
+            let schema = std::fs::read_to_string(&path)
+                .unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+            sqlx::raw_sql(&schema)
+                .execute(&pool)
+                .await
+                .unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+        }
         let (connection, channel) = connect_channel().await;
         let queue = format!("idem-t-{unique}");
         let dead_letter_queue = format!("{queue}.dead-letter");

@@ -1,6 +1,6 @@
 //! The generated WIT bindings, and their conversion to host types. No other file names them.
 
-use crate::effect::{Decision, Effect, Failure, FailureKind, Outcome, Value};
+use crate::effect::{Decision, Effect, Failure, FailureKind, OutboxMessage, Outcome, Value};
 use crate::message::InboundMessage;
 
 wasmtime::component::bindgen!({
@@ -47,6 +47,12 @@ fn effect(effect: types::Effect) -> Effect {
             statement: exec.statement,
             params: exec.params.into_iter().map(value).collect(),
         },
+        types::Effect::Outbox(outbox) => Effect::Outbox(OutboxMessage {
+            destination: outbox.destination,
+            payload: outbox.payload,
+            headers: outbox.headers,
+            key: outbox.key,
+        }),
     }
 }
 
