@@ -89,7 +89,7 @@ impl Session {
             .await
             .map_err(topology("enable publisher confirms on", &pipeline.queue))?;
         channel
-            .basic_qos(pipeline.prefetch.get(), BasicQosOptions::default())
+            .basic_qos(pipeline.effective_prefetch(), BasicQosOptions::default())
             .await
             .map_err(topology("set prefetch on", &pipeline.queue))?;
         for queue in [&pipeline.queue, &pipeline.dead_letter_queue] {
@@ -317,6 +317,19 @@ impl Receipt {
             Ok(false) => false,
             Err(error) => {
                 tracing::debug!(%error, delivery_tag = self.delivery_tag, "Ack failed.");
+                false
+            }
+        }
+    }
+
+    /// Acks this delivery and every earlier one on its channel (`multiple`): one frame for a
+    /// whole batch. Only for a caller that knows no earlier delivery is still unsettled.
+    pub async fn ack_up_to(&self) -> bool {
+        let options = BasicAckOptions { multiple: true };
+        match self.acker.ack(options).await {
+            Ok(acked) => acked,
+            Err(error) => {
+                tracing::debug!(%error, delivery_tag = self.delivery_tag, "Multiple ack failed.");
                 false
             }
         }

@@ -80,6 +80,8 @@ pub struct PipelineConfig {
     pub outbox: Option<OutboxConfig>,
     pub prefetch: NonZeroU16,
     pub workers: NonZeroUsize,
+    /// How many messages share one transaction.
+    pub batch: BatchConfig,
     /// Where rejected messages go, with the reason in their headers.
     pub dead_letter_queue: String,
     /// How many times a message is tried when the plugin says its failure is retryable.
@@ -115,6 +117,29 @@ impl ClaimMode {
             ClaimMode::Ledger => "ledger",
             ClaimMode::Natural => "natural",
             ClaimMode::None => "none",
+        }
+    }
+}
+
+/// The `[pipelines.<name>.batch]` table: several messages per transaction, each in its own
+/// savepoint, so one commit (one WAL flush) serves them all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchConfig {
+    /// Messages per transaction at most (default 64); 1 turns batching off.
+    #[serde(default = "default_batch_messages")]
+    pub size: NonZeroUsize,
+    /// How long a worker waits for more messages after the first before it applies a
+    /// partial batch (default 0: only what the broker already delivered).
+    #[serde(default = "default_linger", deserialize_with = "duration")]
+    pub linger: Duration,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        BatchConfig {
+            size: default_batch_messages(),
+            linger: default_linger(),
         }
     }
 }
@@ -390,6 +415,7 @@ impl Config {
                 outbox: outbox.clone(),
                 prefetch: raw.prefetch,
                 workers: raw.workers,
+                batch: raw.batch,
                 dead_letter_queue,
                 max_attempts: raw.max_attempts,
                 limits: raw.limits,
@@ -440,6 +466,21 @@ impl Config {
     /// The pipeline called `name`, if configured.
     pub fn pipeline(&self, name: &str) -> Option<&PipelineConfig> {
         self.pipelines.iter().find(|pipeline| pipeline.name == name)
+    }
+}
+
+impl PipelineConfig {
+    /// The prefetch the consumer asks for: the configured one, raised to twice what the
+    /// workers can hold at once (`workers × batch.size`) so none waits for deliveries.
+    pub fn effective_prefetch(&self) -> u16 {
+        let busy = self
+            .workers
+            .get()
+            .saturating_mul(self.batch.size.get())
+            .saturating_mul(2);
+        u16::try_from(busy)
+            .unwrap_or(u16::MAX)
+            .max(self.prefetch.get())
     }
 }
 
@@ -494,6 +535,8 @@ struct RawPipeline {
     prefetch: NonZeroU16,
     #[serde(default = "default_workers")]
     workers: NonZeroUsize,
+    #[serde(default)]
+    batch: BatchConfig,
     #[serde(default, deserialize_with = "interpolated_option")]
     dead_letter_queue: Option<String>,
     #[serde(default = "default_max_attempts")]
@@ -544,6 +587,16 @@ fn default_max_connections() -> NonZeroU32 {
 
 fn default_claim() -> Spanned<ClaimMode> {
     Spanned::new(0..0, ClaimMode::Ledger)
+}
+
+fn default_batch_messages() -> NonZeroUsize {
+    NonZeroUsize::new(64).expect("non-zero literal")
+}
+
+/// No wait by default: a batch is whatever is already delivered, so a quiet queue gets no
+/// added latency and a busy one gets full batches.
+fn default_linger() -> Duration {
+    Duration::ZERO
 }
 
 fn default_retries() -> u32 {

@@ -5,8 +5,8 @@
 //! Claim strategies: `ledger` (a `processed_messages` row), `natural` (the first effect's
 //! unique key decides), `none` (idempotent effects; nothing changed means stale).
 
-use sqlx::PgPool;
 use sqlx::error::ErrorKind;
+use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::config::{ClaimMode, Isolation, PipelineConfig};
 use crate::effect::{Decision, Effect};
@@ -166,16 +166,129 @@ impl<'a> Plan<'a> {
 /// outbox rows; then commit.
 pub async fn apply(pool: &PgPool, plan: &Plan<'_>) -> Result<ClaimOutcome, LedgerError> {
     let transient = |source| LedgerError::Transient { source };
-    let mut transaction = pool.begin().await.map_err(transient)?;
-    if plan.isolation != Isolation::ReadCommitted {
+    let mut transaction = begin(pool, plan.isolation).await?;
+    let outcome = apply_steps(&mut transaction, plan).await?;
+    if outcome != ClaimOutcome::Applied {
+        // A duplicate or stale message commits nothing.
+        transaction.rollback().await.map_err(transient)?;
+        return Ok(outcome);
+    }
+    Failpoint::BeforeCommit.hit();
+    transaction
+        .commit()
+        .await
+        .map_err(|source| classify(source, "commit"))?;
+    Ok(outcome)
+}
+
+/// How one message of a batch ended inside the batch's transaction.
+pub type BatchItem = Result<ClaimOutcome, LedgerError>;
+
+/// Runs `plans` in ONE transaction, each in its own savepoint: a message whose effect fails
+/// rolls back to its savepoint (its item is `Err(LedgerError::Effect)`), the others commit.
+/// Ledger claims are taken in key order, so two batches never deadlock on claims, and a key
+/// repeated within the batch is a duplicate without a round trip. A transient error fails
+/// the whole batch (`Err`), to be retried as a whole.
+pub async fn apply_batch(
+    pool: &PgPool,
+    isolation: Isolation,
+    plans: &[&Plan<'_>],
+) -> Result<Vec<BatchItem>, LedgerError> {
+    let mut order: Vec<usize> = (0..plans.len()).collect();
+    order.sort_by(|left, right| plans[*left].key.cmp(plans[*right].key));
+    let mut items: Vec<Option<BatchItem>> = (0..plans.len()).map(|_| None).collect();
+    let mut transaction = begin(pool, isolation).await?;
+    let mut claimed_keys = std::collections::HashSet::new();
+    let mut savepoint_open = false;
+    let mut applied = 0;
+    for index in order {
+        let plan = plans[index];
+        if matches!(plan.claim, ClaimStrategy::Ledger { .. }) && !claimed_keys.insert(plan.key) {
+            items[index] = Some(Ok(ClaimOutcome::Duplicate));
+            continue;
+        }
+        // Release the previous message's savepoint and open this one's in one round trip.
+        let savepoint = if savepoint_open {
+            "RELEASE SAVEPOINT idem_message; SAVEPOINT idem_message"
+        } else {
+            "SAVEPOINT idem_message"
+        };
+        // A plain string runs as a simple query, so both statements go in one round trip.
+        sqlx::Executor::execute(&mut *transaction, savepoint)
+            .await
+            .map_err(|source| classify_transient(source, "savepoint"))?;
+        savepoint_open = true;
+        let item = match apply_steps(&mut transaction, plan).await {
+            Ok(ClaimOutcome::Applied) => {
+                applied += 1;
+                Ok(ClaimOutcome::Applied)
+            }
+            Ok(outcome) => {
+                rollback_to_savepoint(&mut transaction).await?;
+                Ok(outcome)
+            }
+            Err(error @ LedgerError::Effect { .. }) => {
+                rollback_to_savepoint(&mut transaction).await?;
+                Err(error)
+            }
+            Err(transient @ LedgerError::Transient { .. }) => return Err(transient),
+        };
+        items[index] = Some(item);
+    }
+    if applied == 0 {
+        transaction
+            .rollback()
+            .await
+            .map_err(|source| LedgerError::Transient { source })?;
+    } else {
+        Failpoint::BeforeCommit.hit();
+        transaction
+            .commit()
+            .await
+            .map_err(|source| classify(source, "commit"))?;
+    }
+    Ok(items
+        .into_iter()
+        .map(|item| item.unwrap_or(Ok(ClaimOutcome::Duplicate)))
+        .collect())
+}
+
+async fn rollback_to_savepoint(
+    transaction: &mut Transaction<'_, Postgres>,
+) -> Result<(), LedgerError> {
+    sqlx::query("ROLLBACK TO SAVEPOINT idem_message")
+        .execute(&mut **transaction)
+        .await
+        .map(drop)
+        .map_err(|source| classify_transient(source, "savepoint"))
+}
+
+async fn begin(
+    pool: &PgPool,
+    isolation: Isolation,
+) -> Result<Transaction<'static, Postgres>, LedgerError> {
+    let mut transaction = pool
+        .begin()
+        .await
+        .map_err(|source| LedgerError::Transient { source })?;
+    if isolation != Isolation::ReadCommitted {
         sqlx::query(&format!(
             "SET TRANSACTION ISOLATION LEVEL {}",
-            plan.isolation.sql()
+            isolation.sql()
         ))
         .execute(&mut *transaction)
         .await
         .map_err(|source| classify(source, "isolation"))?;
     }
+    Ok(transaction)
+}
+
+/// The claim, then (if new) the role, the effects and the outbox rows, inside an open
+/// transaction. A duplicate or stale outcome leaves changes for the caller to undo.
+async fn apply_steps(
+    transaction: &mut Transaction<'_, Postgres>,
+    plan: &Plan<'_>,
+) -> Result<ClaimOutcome, LedgerError> {
     if let ClaimStrategy::Ledger {
         consumer,
         plugin_digest,
@@ -186,7 +299,7 @@ pub async fn apply(pool: &PgPool, plan: &Plan<'_>) -> Result<ClaimOutcome, Ledge
             sqlx::query(PARTITIONED_LOCK_SQL)
                 .bind(consumer)
                 .bind(plan.key)
-                .execute(&mut *transaction)
+                .execute(&mut **transaction)
                 .await
                 .map_err(|source| classify(source, "claim"))?;
         }
@@ -198,18 +311,17 @@ pub async fn apply(pool: &PgPool, plan: &Plan<'_>) -> Result<ClaimOutcome, Ledge
         .bind(consumer)
         .bind(plan.key)
         .bind(plugin_digest)
-        .execute(&mut *transaction)
+        .execute(&mut **transaction)
         .await
         .map_err(|source| classify(source, "claim"))?
         .rows_affected();
         if claimed == 0 {
-            transaction.rollback().await.map_err(transient)?;
             return Ok(ClaimOutcome::Duplicate);
         }
     }
     if let Some(role) = plan.role {
         sqlx::query(&format!("SET LOCAL ROLE {}", quote_identifier(role)))
-            .execute(&mut *transaction)
+            .execute(&mut **transaction)
             .await
             .map_err(|source| classify(source, "role"))?;
     }
@@ -219,37 +331,31 @@ pub async fn apply(pool: &PgPool, plan: &Plan<'_>) -> Result<ClaimOutcome, Ledge
             .arguments()
             .map_err(|source| classify(source, effect.statement))?;
         let rows = sqlx::query_with(effect.sql, arguments)
-            .execute(&mut *transaction)
+            .execute(&mut **transaction)
             .await
             .map_err(|source| classify(source, effect.statement))?
             .rows_affected();
         if position == 0 && rows == 0 && matches!(plan.claim, ClaimStrategy::Natural) {
-            transaction.rollback().await.map_err(transient)?;
             return Ok(ClaimOutcome::Duplicate);
         }
         rows_changed += rows;
     }
     if rows_changed == 0 && matches!(plan.claim, ClaimStrategy::None) {
         // Nothing changed: an older or repeated version. Its outbox messages stay unsent.
-        transaction.rollback().await.map_err(transient)?;
         return Ok(ClaimOutcome::Stale);
     }
+    if plan.role.is_some() {
+        // Back to the host's role: for the outbox rows, and for the next message of a batch.
+        sqlx::query("RESET ROLE")
+            .execute(&mut **transaction)
+            .await
+            .map_err(|source| classify(source, "role"))?;
+    }
     if !plan.outbox.is_empty() {
-        if plan.role.is_some() {
-            sqlx::query("RESET ROLE")
-                .execute(&mut *transaction)
-                .await
-                .map_err(|source| classify(source, "role"))?;
-        }
-        outbox::insert(&mut transaction, plan.consumer, plan.key, &plan.outbox)
+        outbox::insert(transaction, plan.consumer, plan.key, &plan.outbox)
             .await
             .map_err(|source| classify(source, "outbox"))?;
     }
-    Failpoint::BeforeCommit.hit();
-    transaction
-        .commit()
-        .await
-        .map_err(|source| classify(source, "commit"))?;
     Ok(ClaimOutcome::Applied)
 }
 
@@ -263,6 +369,14 @@ fn quote_identifier(name: &str) -> String {
 pub fn is_conflict(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(database_error)
         if matches!(database_error.code().as_deref(), Some("40001" | "40P01")))
+}
+
+/// A failure of the host's own bookkeeping statements (savepoints): never the message's fault.
+fn classify_transient(source: sqlx::Error, statement: &str) -> LedgerError {
+    match classify(source, statement) {
+        LedgerError::Effect { source, .. } => LedgerError::Transient { source },
+        transient => transient,
+    }
 }
 
 /// Sorts a failure into "try again" or "this message can never apply".

@@ -45,6 +45,10 @@ pub struct Pipeline {
     pub(crate) reload_lock: tokio::sync::Mutex<()>,
     /// Wakes this host's outbox relay after a commit that wrote outbox rows.
     pub relay: RelayWaker,
+    /// Held while a batch of several messages is applied: a multi-message transaction holds
+    /// many row locks, and two of them in parallel deadlock on shared rows (one customer's
+    /// balance). Plugin calls and single-message transactions still run in parallel.
+    pub(crate) batch_applier: tokio::sync::Mutex<()>,
 }
 
 /// What the last reload attempt of a pipeline's plugin did.
@@ -140,6 +144,7 @@ impl Pipeline {
             partitioned_claims,
             reload_lock: tokio::sync::Mutex::new(()),
             relay: RelayWaker::default(),
+            batch_applier: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -266,15 +271,22 @@ pub async fn consume(pipeline: Arc<Pipeline>, amqp_url: String, shutdown: Cancel
     }
 }
 
-/// Feeds deliveries to at most `workers` concurrent tasks. On shutdown, stops consuming,
-/// lets every started message finish and settle, then closes the connection.
+/// Feeds deliveries to at most `workers` concurrent tasks, up to `batch.size` deliveries per
+/// task (gathered for at most `batch.linger`). On shutdown, stops consuming, lets every
+/// started message finish and settle, then closes the connection.
 async fn serve(
     pipeline: &Arc<Pipeline>,
     mut session: Session,
     shutdown: &CancellationToken,
 ) -> Result<(), AmqpError> {
     let workers = Arc::new(Semaphore::new(pipeline.config.workers.get()));
+    let batch_size = pipeline.config.batch.size.get();
+    let unsettled = Arc::new(Unsettled::default());
     let mut in_flight = JoinSet::new();
+    let lost = |reason: String| AmqpError::ConsumerLost {
+        queue: pipeline.config.queue.clone(),
+        reason,
+    };
     let ended = loop {
         while in_flight.try_join_next().is_some() {}
         let next = tokio::select! {
@@ -282,20 +294,10 @@ async fn serve(
             () = shutdown.cancelled() => break Ok(()),
             next = session.consumer.next() => next,
         };
-        let delivery = match next {
+        let first = match next {
             Some(Ok(delivery)) => delivery,
-            Some(Err(error)) => {
-                break Err(AmqpError::ConsumerLost {
-                    queue: pipeline.config.queue.clone(),
-                    reason: error.to_string(),
-                });
-            }
-            None => {
-                break Err(AmqpError::ConsumerLost {
-                    queue: pipeline.config.queue.clone(),
-                    reason: "the broker cancelled the consumer".into(),
-                });
-            }
+            Some(Err(error)) => break Err(lost(error.to_string())),
+            None => break Err(lost("the broker cancelled the consumer".into())),
         };
         let permit = tokio::select! {
             permit = workers.clone().acquire_owned() => permit,
@@ -303,14 +305,46 @@ async fn serve(
             () = shutdown.cancelled() => break Ok(()),
         };
         let Ok(permit) = permit else { break Ok(()) };
-        let (message, receipt) = amqp::receive(&pipeline.config.name, delivery);
+        let mut deliveries = vec![first];
+        let mut gathering_ended = None;
+        if batch_size > 1 {
+            let deadline = tokio::time::Instant::now() + pipeline.config.batch.linger;
+            while deliveries.len() < batch_size {
+                let next = tokio::select! {
+                    biased;
+                    () = shutdown.cancelled() => break,
+                    next = tokio::time::timeout_at(deadline, session.consumer.next()) => next,
+                };
+                match next {
+                    Err(_linger_elapsed) => break,
+                    Ok(Some(Ok(delivery))) => deliveries.push(delivery),
+                    Ok(Some(Err(error))) => {
+                        gathering_ended = Some(lost(error.to_string()));
+                        break;
+                    }
+                    Ok(None) => {
+                        gathering_ended = Some(lost("the broker cancelled the consumer".into()));
+                        break;
+                    }
+                }
+            }
+        }
+        let received: Vec<(InboundMessage, Receipt)> = deliveries
+            .into_iter()
+            .map(|delivery| amqp::receive(&pipeline.config.name, delivery))
+            .collect();
+        unsettled.add(received.iter().map(|(_, receipt)| receipt.delivery_tag));
         let pipeline = Arc::clone(pipeline);
         let channel = session.channel.clone();
         let shutdown = shutdown.clone();
+        let unsettled = Arc::clone(&unsettled);
         in_flight.spawn(async move {
-            settle(&pipeline, &channel, message, receipt, &shutdown).await;
+            settle_batch(&pipeline, &channel, received, &unsettled, &shutdown).await;
             drop(permit);
         });
+        if let Some(error) = gathering_ended {
+            break Err(error);
+        }
     };
     if ended.is_ok() {
         session.cancel().await;
@@ -320,23 +354,132 @@ async fn serve(
     ended
 }
 
-/// Decides a message's fate, then tells the broker.
-async fn settle(
+/// Delivery tags received on the session's channel and not yet settled: a batch may ack
+/// with one `multiple` ack only when no earlier delivery of another batch is still open.
+#[derive(Default)]
+struct Unsettled(Mutex<std::collections::BTreeSet<u64>>);
+
+impl Unsettled {
+    fn add(&self, tags: impl Iterator<Item = u64>) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(tags);
+    }
+
+    fn remove(&self, tag: u64) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&tag);
+    }
+
+    /// Removes `tags` and says whether they are exactly the open tags up to their maximum.
+    fn take_if_prefix(&self, tags: &[u64]) -> bool {
+        let Some(&highest) = tags.iter().max() else {
+            return false;
+        };
+        let mut open = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let prefix = open.range(..=highest).count() == tags.len()
+            && tags.iter().all(|tag| open.contains(tag));
+        if prefix {
+            for tag in tags {
+                open.remove(tag);
+            }
+        }
+        prefix
+    }
+}
+
+/// Decides the fate of a batch of deliveries (one transaction), then tells the broker:
+/// rejections, retries and requeues one by one, acks with one `multiple` ack where the
+/// tags allow.
+async fn settle_batch(
     pipeline: &Pipeline,
     channel: &Channel,
-    message: InboundMessage,
-    receipt: Receipt,
+    received: Vec<(InboundMessage, Receipt)>,
+    unsettled: &Unsettled,
     shutdown: &CancellationToken,
 ) {
-    let name = &pipeline.config.name;
     let received_at = Instant::now();
-    let disposition = process::handle_delivery(pipeline, &message, receipt.attempt, shutdown).await;
-    let outcome = disposition.outcome();
-    let acked = match disposition {
-        Disposition::Ack(settled) => {
-            debug!(pipeline = %name, outcome = settled.as_str(), "Settled.");
-            receipt.ack().await
+    let dispositions = if let [(message, receipt)] = &received[..] {
+        vec![process::handle_delivery(pipeline, message, receipt.attempt, shutdown).await]
+    } else {
+        let inputs: Vec<(InboundMessage, u32)> = received
+            .iter()
+            .map(|(message, receipt)| (message.clone(), receipt.attempt))
+            .collect();
+        process::handle_batch(pipeline, &inputs, shutdown).await
+    };
+    let mut acks = Vec::new();
+    for ((message, receipt), disposition) in received.iter().zip(dispositions) {
+        let outcome = disposition.outcome();
+        if let Disposition::Ack(settled) = disposition {
+            debug!(pipeline = %pipeline.config.name, outcome = settled.as_str(), "Settled.");
+            acks.push((receipt, outcome));
+            continue;
         }
+        let done = tell_broker(pipeline, channel, message, receipt, disposition, shutdown).await;
+        unsettled.remove(receipt.delivery_tag);
+        report(pipeline, receipt, outcome, done, received_at);
+    }
+    let tags: Vec<u64> = acks
+        .iter()
+        .map(|(receipt, _)| receipt.delivery_tag)
+        .collect();
+    if acks.len() > 1 && unsettled.take_if_prefix(&tags) {
+        let highest = acks
+            .iter()
+            .max_by_key(|(receipt, _)| receipt.delivery_tag)
+            .map(|(receipt, _)| *receipt);
+        let done = match highest {
+            Some(receipt) => receipt.ack_up_to().await,
+            None => true,
+        };
+        for (receipt, outcome) in &acks {
+            report(pipeline, receipt, outcome, done, received_at);
+        }
+    } else {
+        for (receipt, outcome) in &acks {
+            let done = receipt.ack().await;
+            unsettled.remove(receipt.delivery_tag);
+            report(pipeline, receipt, outcome, done, received_at);
+        }
+    }
+}
+
+/// Counts a settled delivery, and says so when its channel was gone.
+fn report(
+    pipeline: &Pipeline,
+    receipt: &Receipt,
+    outcome: &'static str,
+    done: bool,
+    received_at: Instant,
+) {
+    pipeline
+        .metrics
+        .message_settled(&pipeline.config.name, outcome, received_at.elapsed());
+    if !done {
+        warn!(
+            pipeline = %pipeline.config.name,
+            delivery_tag = receipt.delivery_tag,
+            "Could not settle the delivery: its channel is gone. RabbitMQ will redeliver it; the claim makes that a duplicate."
+        );
+    }
+}
+
+/// Carries out a disposition other than a plain ack. Returns whether the broker got it.
+async fn tell_broker(
+    pipeline: &Pipeline,
+    channel: &Channel,
+    message: &InboundMessage,
+    receipt: &Receipt,
+    disposition: Disposition,
+    shutdown: &CancellationToken,
+) -> bool {
+    let name = &pipeline.config.name;
+    match disposition {
+        Disposition::Ack(_) => receipt.ack().await,
         Disposition::DeadLetter { error_kind, reason } => {
             warn!(
                 pipeline = %name,
@@ -347,7 +490,7 @@ async fn settle(
                 "Message rejected and dead-lettered."
             );
             publish_or_requeue(
-                &receipt,
+                receipt,
                 receipt
                     .dead_letter(channel, &pipeline.config, error_kind, &reason)
                     .await,
@@ -362,7 +505,7 @@ async fn settle(
                 () = shutdown.cancelled() => {}
             }
             publish_or_requeue(
-                &receipt,
+                receipt,
                 receipt
                     .retry(channel, &pipeline.config.queue, attempt)
                     .await,
@@ -370,16 +513,6 @@ async fn settle(
             .await
         }
         Disposition::Requeue => receipt.requeue().await,
-    };
-    pipeline
-        .metrics
-        .message_settled(name, outcome, received_at.elapsed());
-    if !acked {
-        warn!(
-            pipeline = %name,
-            delivery_tag = receipt.delivery_tag,
-            "Could not settle the delivery: its channel is gone. RabbitMQ will redeliver it; the claim makes that a duplicate."
-        );
     }
 }
 

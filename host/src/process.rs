@@ -3,18 +3,19 @@
 //! Architecture invariant: this is the only place that picks a [`Disposition`], and an
 //! applied message is acked only after its transaction committed.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, warn};
 
 use crate::backoff::Backoff;
-use crate::effect::{FailureKind, Outcome};
+use crate::effect::{Decision, FailureKind, Outcome};
 use crate::failpoint::Failpoint;
 use crate::ledger::{self, ClaimOutcome, LedgerError, Plan};
 use crate::message::InboundMessage;
 use crate::pipeline::Pipeline;
-use crate::plugin::PluginError;
+use crate::plugin::{LoadedPlugin, PluginError};
 
 /// Longest idempotency key accepted; longer keys would not fit the claim's btree index.
 pub const MAX_KEY_BYTES: usize = 1024;
@@ -84,17 +85,149 @@ pub async fn handle_delivery(
         otel.kind = "consumer",
         messaging.system = "rabbitmq",
     );
-    decide(pipeline, message, attempt, shutdown)
-        .instrument(span)
-        .await
+    async {
+        let (decision, plugin) = match decide(pipeline, message, attempt).await {
+            Decided::Done(disposition) => return disposition,
+            Decided::Apply { decision, plugin } => (decision, plugin),
+        };
+        let plan = match plan(pipeline, &decision, &plugin) {
+            Ok(plan) => plan,
+            Err(disposition) => return disposition,
+        };
+        apply_one(pipeline, &plan, shutdown).await
+    }
+    .instrument(span)
+    .await
 }
 
-async fn decide(
+/// Applies one message's plan in its own transaction, retrying transient failures.
+async fn apply_one(
     pipeline: &Pipeline,
-    message: &InboundMessage,
-    attempt: u32,
+    plan: &Plan<'_>,
     shutdown: &CancellationToken,
 ) -> Disposition {
+    let mut retries = Retries::new(pipeline, shutdown);
+    loop {
+        let started = Instant::now();
+        let result = ledger::apply(&pipeline.pool, plan).await;
+        pipeline
+            .metrics
+            .transaction_finished(pipeline.name(), started.elapsed());
+        match result {
+            Err(LedgerError::Transient { source }) => {
+                if let Some(give_up) = retries.failed(plan.key, &source).await {
+                    return give_up;
+                }
+            }
+            finished => {
+                let disposition = disposition_of(finished);
+                after_commit(pipeline, &disposition, plan);
+                return disposition;
+            }
+        }
+    }
+}
+
+/// Runs several messages through the plugin, then applies all their decisions in one
+/// transaction (`ledger::apply_batch`, a savepoint each). Returns one disposition per message,
+/// in order.
+pub async fn handle_batch(
+    pipeline: &Pipeline,
+    messages: &[(InboundMessage, u32)],
+    shutdown: &CancellationToken,
+) -> Vec<Disposition> {
+    let span = tracing::debug_span!(
+        "handle_batch",
+        pipeline = %pipeline.config.name,
+        messages = messages.len(),
+        otel.kind = "consumer",
+        messaging.system = "rabbitmq",
+    );
+    async {
+        let mut decided = Vec::with_capacity(messages.len());
+        for (message, attempt) in messages {
+            decided.push(decide(pipeline, message, *attempt).await);
+        }
+        let mut dispositions: Vec<Option<Disposition>> = vec![None; messages.len()];
+        let mut planned = Vec::with_capacity(messages.len());
+        for (index, decided) in decided.iter().enumerate() {
+            match decided {
+                Decided::Done(disposition) => dispositions[index] = Some(disposition.clone()),
+                Decided::Apply { decision, plugin } => match plan(pipeline, decision, plugin) {
+                    Ok(plan) => planned.push((index, plan)),
+                    Err(disposition) => dispositions[index] = Some(disposition),
+                },
+            }
+        }
+        if !planned.is_empty() {
+            let plans: Vec<&Plan<'_>> = planned.iter().map(|(_, plan)| plan).collect();
+            let isolation = pipeline.config.transaction.isolation;
+            let _one_batch_at_a_time = if plans.len() > 1 {
+                Some(pipeline.batch_applier.lock().await)
+            } else {
+                None
+            };
+            let mut retries = Retries::new(pipeline, shutdown);
+            let applied = loop {
+                let started = Instant::now();
+                let result = ledger::apply_batch(&pipeline.pool, isolation, &plans).await;
+                pipeline
+                    .metrics
+                    .transaction_finished(pipeline.name(), started.elapsed());
+                match result {
+                    Ok(items) => break Ok(Some(items)),
+                    Err(LedgerError::Transient { source }) => {
+                        if let Some(give_up) = retries.failed(plans[0].key, &source).await {
+                            break Err(give_up);
+                        }
+                    }
+                    // COMMIT itself refused the batch (a deferred constraint): nothing was
+                    // applied, and only one message at a time can tell whose fault it is.
+                    Err(LedgerError::Effect { .. }) => break Ok(None),
+                }
+            };
+            match applied {
+                Ok(Some(items)) => {
+                    for ((index, plan), item) in planned.iter().zip(items) {
+                        let disposition = disposition_of(item);
+                        after_commit(pipeline, &disposition, plan);
+                        dispositions[*index] = Some(disposition);
+                    }
+                }
+                Ok(None) => {
+                    for (index, plan) in &planned {
+                        dispositions[*index] = Some(apply_one(pipeline, plan, shutdown).await);
+                    }
+                }
+                Err(requeue) => {
+                    for (index, _) in &planned {
+                        dispositions[*index] = Some(requeue.clone());
+                    }
+                }
+            }
+        }
+        dispositions
+            .into_iter()
+            .map(|disposition| disposition.unwrap_or(Disposition::Requeue))
+            .collect()
+    }
+    .instrument(span)
+    .await
+}
+
+/// A message after its plugin ran.
+enum Decided {
+    /// Its fate is known without the database (skip, rejection, retry).
+    Done(Disposition),
+    /// A decision to apply, with the build that made it (recorded in the claim).
+    Apply {
+        decision: Decision,
+        plugin: Arc<LoadedPlugin>,
+    },
+}
+
+/// Calls the plugin and checks what it returned.
+async fn decide(pipeline: &Pipeline, message: &InboundMessage, attempt: u32) -> Decided {
     // One build decides and is recorded in the claim, even if a swap happens meanwhile.
     let plugin = pipeline.plugin.load_full();
     let plugin_started = Instant::now();
@@ -109,7 +242,7 @@ async fn decide(
         Ok(outcome) => outcome,
         Err(PluginError::Rejected(failure)) if failure.kind == FailureKind::Retryable => {
             let max_attempts = pipeline.config.max_attempts.get();
-            return if attempt >= max_attempts {
+            return Decided::Done(if attempt >= max_attempts {
                 Disposition::DeadLetter {
                     error_kind: "retries-exhausted",
                     reason: format!(
@@ -122,114 +255,141 @@ async fn decide(
                     attempt: attempt + 1,
                     reason: failure.reason,
                 }
-            };
+            });
         }
         Err(error) => {
-            return Disposition::DeadLetter {
+            return Decided::Done(Disposition::DeadLetter {
                 error_kind: plugin_error_kind(&error),
                 reason: error.to_string(),
-            };
+            });
         }
     };
     let decision = match outcome {
         Outcome::Skip { reason } => {
             debug!(%reason, "Plugin skipped the message.");
-            return Disposition::Ack(Settled::Skipped);
+            return Decided::Done(Disposition::Ack(Settled::Skipped));
         }
         Outcome::Decision(decision) => decision,
     };
     if decision.key.len() > MAX_KEY_BYTES {
-        return Disposition::DeadLetter {
+        return Decided::Done(Disposition::DeadLetter {
             error_kind: "invalid-output",
             reason: format!(
                 "idempotency key of {} bytes, limit is {MAX_KEY_BYTES}",
                 decision.key.len()
             ),
-        };
+        });
     }
-    let plan = match Plan::build(
+    Decided::Apply { decision, plugin }
+}
+
+/// Checks a decision's effects against the pipeline; a misfit rejects the message.
+fn plan<'a>(
+    pipeline: &'a Pipeline,
+    decision: &'a Decision,
+    plugin: &'a LoadedPlugin,
+) -> Result<Plan<'a>, Disposition> {
+    Plan::build(
         &pipeline.config,
         &pipeline.statements,
-        &decision,
+        decision,
         &plugin.digest,
         pipeline.partitioned_claims,
-    ) {
-        Ok(plan) => plan,
-        Err(error) => {
-            return Disposition::DeadLetter {
-                error_kind: "invalid-effect",
-                reason: error.to_string(),
-            };
+    )
+    .map_err(|error| Disposition::DeadLetter {
+        error_kind: "invalid-effect",
+        reason: error.to_string(),
+    })
+}
+
+/// Paces the retries of one message's (or batch's) transaction: connection errors are
+/// retried without limit (the message stays unacked), conflicts (40001, 40P01) up to the
+/// pipeline's budget.
+struct Retries<'a> {
+    pipeline: &'a Pipeline,
+    shutdown: &'a CancellationToken,
+    backoff: Backoff,
+    conflicts: u32,
+}
+
+impl<'a> Retries<'a> {
+    fn new(pipeline: &'a Pipeline, shutdown: &'a CancellationToken) -> Retries<'a> {
+        Retries {
+            pipeline,
+            shutdown,
+            backoff: Backoff::new(Duration::from_millis(50), Duration::from_secs(5)),
+            conflicts: 0,
         }
-    };
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
-    let mut conflicts = 0;
-    loop {
-        let transaction_started = Instant::now();
-        let applied = ledger::apply(&pipeline.pool, &plan).await;
+    }
+
+    /// Records a transient failure and waits before the next try. `Some(Requeue)` when it
+    /// gives up: the budget is spent, or the host is stopping.
+    async fn failed(&mut self, key: &str, source: &sqlx::Error) -> Option<Disposition> {
+        let pipeline = self.pipeline;
         pipeline
             .metrics
-            .transaction_finished(pipeline.name(), transaction_started.elapsed());
-        match applied {
-            Ok(ClaimOutcome::Applied) => {
-                Failpoint::AfterCommit.hit();
-                if !plan.outbox.is_empty() {
-                    pipeline.relay.wake();
-                }
-                debug!(key = %decision.key, "Applied.");
-                return Disposition::Ack(Settled::Applied);
-            }
-            Ok(ClaimOutcome::Duplicate) => {
-                debug!(key = %decision.key, "Duplicate: already applied.");
-                return Disposition::Ack(Settled::Duplicate);
-            }
-            Ok(ClaimOutcome::Stale) => {
-                debug!(key = %decision.key, "Stale: no effect changed a row.");
-                return Disposition::Ack(Settled::Stale);
-            }
-            Err(LedgerError::Effect { statement, source }) => {
-                return Disposition::DeadLetter {
-                    error_kind: "sql",
-                    reason: format!(
-                        "statement {statement:?} failed, claim rolled back: {}",
-                        sql_error_text(&source)
-                    ),
-                };
-            }
-            Err(LedgerError::Transient { source }) => {
-                pipeline
-                    .metrics
-                    .database_retried(pipeline.name(), &ledger::retry_label(&source));
-                if ledger::is_conflict(&source) {
-                    conflicts += 1;
-                    let budget = pipeline.config.transaction.retries;
-                    if conflicts > budget {
-                        warn!(
-                            key = %decision.key,
-                            error = %source,
-                            retries = budget,
-                            "Transaction kept conflicting; the message goes back to the queue."
-                        );
-                        return Disposition::Requeue;
-                    }
-                }
-                let delay = backoff.next_delay();
-                if ledger::is_conflict(&source) {
-                    debug!(key = %decision.key, error = %source, retry_in_ms = delay.as_millis() as u64, "Transaction conflicted; retrying it.");
-                } else {
-                    warn!(
-                        key = %decision.key,
-                        error = %source,
-                        retry_in_ms = delay.as_millis() as u64,
-                        "PostgreSQL unavailable; the message stays unacked and will be retried."
-                    );
-                }
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
-                    () = shutdown.cancelled() => return Disposition::Requeue,
-                }
+            .database_retried(pipeline.name(), &ledger::retry_label(source));
+        let conflict = ledger::is_conflict(source);
+        if conflict {
+            self.conflicts += 1;
+            let budget = pipeline.config.transaction.retries;
+            if self.conflicts > budget {
+                warn!(
+                    %key,
+                    error = %source,
+                    retries = budget,
+                    "Transaction kept conflicting; the message goes back to the queue."
+                );
+                return Some(Disposition::Requeue);
             }
         }
+        let delay = self.backoff.next_delay();
+        if conflict {
+            debug!(%key, error = %source, retry_in_ms = delay.as_millis() as u64, "Transaction conflicted; retrying it.");
+        } else {
+            warn!(
+                %key,
+                error = %source,
+                retry_in_ms = delay.as_millis() as u64,
+                "PostgreSQL unavailable; the message stays unacked and will be retried."
+            );
+        }
+        tokio::select! {
+            () = tokio::time::sleep(delay) => None,
+            () = self.shutdown.cancelled() => Some(Disposition::Requeue),
+        }
+    }
+}
+
+/// What a finished transaction means for the message.
+fn disposition_of(result: Result<ClaimOutcome, LedgerError>) -> Disposition {
+    match result {
+        Ok(ClaimOutcome::Applied) => Disposition::Ack(Settled::Applied),
+        Ok(ClaimOutcome::Duplicate) => Disposition::Ack(Settled::Duplicate),
+        Ok(ClaimOutcome::Stale) => Disposition::Ack(Settled::Stale),
+        Err(LedgerError::Effect { statement, source }) => Disposition::DeadLetter {
+            error_kind: "sql",
+            reason: format!(
+                "statement {statement:?} failed, claim rolled back: {}",
+                sql_error_text(&source)
+            ),
+        },
+        // `with_retries` keeps transient errors; one reaching here is a bug, and requeueing
+        // is the safe answer.
+        Err(LedgerError::Transient { .. }) => Disposition::Requeue,
+    }
+}
+
+/// After a commit: the crash point for tests, and a nudge to the outbox relay.
+fn after_commit(pipeline: &Pipeline, disposition: &Disposition, plan: &Plan<'_>) {
+    if *disposition == Disposition::Ack(Settled::Applied) {
+        Failpoint::AfterCommit.hit();
+        if !plan.outbox.is_empty() {
+            pipeline.relay.wake();
+        }
+        debug!(key = %plan.key, "Applied.");
+    } else {
+        debug!(key = %plan.key, outcome = disposition.outcome(), "Settled without changes.");
     }
 }
 

@@ -110,7 +110,11 @@ pub fn spawn_watcher(pipelines: Vec<Arc<Pipeline>>, shutdown: CancellationToken)
     }
     let (changed_tx, mut changed_rx) = mpsc::unbounded_channel::<PathBuf>();
     let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if let Ok(event) = event {
+        // Only writes, creations and renames: our own reads of the file (access events)
+        // must not trigger another reload.
+        if let Ok(event) = event
+            && is_write(&event.kind)
+        {
             for path in event.paths {
                 let _ = changed_tx.send(path);
             }
@@ -187,6 +191,16 @@ pub fn spawn_sighup_listener(pipelines: Vec<Arc<Pipeline>>, shutdown: Cancellati
     });
     #[cfg(not(unix))]
     let _ = (pipelines, shutdown);
+}
+
+fn is_write(kind: &notify::EventKind) -> bool {
+    use notify::event::{MetadataKind, ModifyKind};
+    match kind {
+        notify::EventKind::Create(_) => true,
+        notify::EventKind::Modify(ModifyKind::Metadata(MetadataKind::AccessTime)) => false,
+        notify::EventKind::Modify(_) => true,
+        _ => false,
+    }
 }
 
 fn absolute(path: &std::path::Path) -> PathBuf {

@@ -99,6 +99,11 @@ async fn swapping_under_load_credits_each_order_once_by_the_recorded_build() {
         env.count("SELECT count(*) FROM point_ledger").await < 5000,
         "the swaps should happen under load"
     );
+    // The watcher reacts to writes only: reading the file to reload it must not trigger
+    // another reload (an endless loop of "unchanged").
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let unchanged = metrics.plugin_reloads("loyalty", "unchanged");
+    assert!(unchanged <= 10, "{unchanged} reloads of an unchanged file");
     publisher.await.expect("publisher");
 
     wait_for("5,000 ledger rows", Duration::from_secs(180), || async {

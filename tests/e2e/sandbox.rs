@@ -4,9 +4,9 @@ use std::time::{Duration, Instant};
 
 use idem_e2e::{TestEnv, order, pipeline_table, plugin_path, unacked, wait_for};
 
-/// Peak resident memory of this test process, in MiB.
-fn peak_rss_mib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+/// Peak resident memory of process `pid`, in MiB.
+fn peak_rss_mib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|status| {
             status
@@ -43,12 +43,11 @@ async fn runaway_plugins_are_dead_lettered_while_a_healthy_pipeline_serves() {
             "[pipelines.chaos.limits]\ndeadline_ms = 500\nmemory_mib = 64",
         ),
     );
-    let config = idem_host::config::Config::from_toml(
-        std::path::Path::new("/tmp/runaway.toml"),
-        &config_text,
-    )
-    .expect("valid config");
-    let host = env.start_host(config);
+    // The host runs as its own process, so its peak memory is its own, not the test
+    // binary's (other tests compile large plugins in this process).
+    let config_path = std::env::temp_dir().join(format!("{}.toml", env.database));
+    std::fs::write(&config_path, &config_text).expect("write config");
+    let mut host = idem_e2e::spawn_idem(&config_path, &[]);
 
     // The infinite loop alone first, to time it against its 500 ms deadline.
     let published = Instant::now();
@@ -106,8 +105,22 @@ async fn runaway_plugins_are_dead_lettered_while_a_healthy_pipeline_serves() {
             && unacked(&chaos_queue) == 0
     })
     .await;
-    assert!(!host.is_finished(), "the host stopped");
-    host.stop().await.expect("host stops cleanly");
+    assert!(
+        host.try_wait().expect("host status").is_none(),
+        "the host stopped"
+    );
+    // A 1 GiB allocation that had been allowed would have shown in the peak.
+    let peak = peak_rss_mib(host.id());
+    let terminated = std::process::Command::new("kill")
+        .args(["-TERM", &host.id().to_string()])
+        .status()
+        .expect("kill -TERM");
+    assert!(terminated.success());
+    let status = host.wait().expect("host exits");
+    assert!(
+        status.success(),
+        "the host should exit 0 on SIGTERM, got {status}"
+    );
 
     let dead = env.drain(&chaos_dead_letters).await;
     let kinds: Vec<(String, String)> = dead
@@ -138,8 +151,6 @@ async fn runaway_plugins_are_dead_lettered_while_a_healthy_pipeline_serves() {
     assert_eq!(kind_of("trap"), ["plugin-trap"], "{kinds:?}");
     assert_eq!(env.ready(&env.dead_letter_queue).await, 0);
     env.assert_loyalty_consistent().await;
-    // A 1 GiB allocation that had been allowed would have shown in the peak.
-    let peak = peak_rss_mib();
     assert!(
         peak < 900,
         "peak RSS {peak} MiB: a plugin's allocation escaped its limit"

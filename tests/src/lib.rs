@@ -333,8 +333,33 @@ pub fn idem_binary() -> PathBuf {
     binary
 }
 
+/// An `idem` child process, killed when dropped so a failing test leaves no host behind.
+pub struct IdemProcess(Child);
+
+impl std::ops::Deref for IdemProcess {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for IdemProcess {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for IdemProcess {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// Starts `idem run` as a child process with extra environment variables.
-pub fn spawn_idem(config: &Path, env: &[(&str, &str)]) -> Child {
+pub fn spawn_idem(config: &Path, env: &[(&str, &str)]) -> IdemProcess {
     let mut command = Command::new(idem_binary());
     command
         .args(["run", "--config"])
@@ -344,7 +369,7 @@ pub fn spawn_idem(config: &Path, env: &[(&str, &str)]) -> Child {
     for (name, value) in env {
         command.env(name, value);
     }
-    command.spawn().expect("spawn idem")
+    IdemProcess(command.spawn().expect("spawn idem"))
 }
 
 /// The `[pipelines.<name>]` table of a loyalty-shaped pipeline (the demo's two statements).

@@ -1,0 +1,152 @@
+//! Per-message host overhead outside the database (criterion): decoding a delivery into the
+//! plugin's message, a fresh sandbox + call of the loyalty plugin, and mapping its decision
+//! to bound statement arguments. The statements are prepared once against the local
+//! PostgreSQL (set IDEM_BENCH_DATABASE_URL), outside the measured path.
+//!
+//! Run: `cargo bench -p idem-bench --bench host_overhead`
+
+use std::hint::black_box;
+use std::path::Path;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use idem_host::config::Config;
+use idem_host::effect::Outcome;
+use idem_host::ledger::Plan;
+use idem_host::message::InboundMessage;
+use idem_host::plugin::PluginRuntime;
+use idem_host::statement::StatementCatalog;
+
+const SCHEMA: &str = include_str!("../../examples/loyalty/schema.sql");
+
+fn config(database_url: &str) -> Config {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let text = std::fs::read_to_string(root.join("pipelines.toml")).expect("pipelines.toml");
+    let text = text.replace(
+        "${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/idem_demo}",
+        database_url,
+    );
+    Config::from_toml(&root.join("pipelines.toml"), &text).expect("pipelines.toml is valid")
+}
+
+fn body(order_id: i64) -> Vec<u8> {
+    format!(
+        r#"{{"type": "OrderCompleted", "order_id": {order_id}, "customer_id": {}, "total_cents": {}}}"#,
+        order_id % 97,
+        1000 + order_id * 7 % 9000
+    )
+    .into_bytes()
+}
+
+fn host_overhead(criterion: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let admin_url = std::env::var("IDEM_BENCH_ADMIN_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let database_url = std::env::var("IDEM_BENCH_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idem_bench_micro".into());
+    let config = config(&database_url);
+    let pipeline = &config.pipelines[0];
+    let catalog = runtime.block_on(async {
+        let admin = sqlx::PgPool::connect(&admin_url)
+            .await
+            .expect("PostgreSQL reachable");
+        let database = database_url
+            .rsplit('/')
+            .next()
+            .unwrap_or("idem_bench_micro");
+        let _ = sqlx::query(&format!("CREATE DATABASE \"{database}\""))
+            .execute(&admin)
+            .await;
+        let pool = sqlx::PgPool::connect(&database_url)
+            .await
+            .expect("bench database");
+        idem_host::database::MIGRATOR
+            .run(&pool)
+            .await
+            .expect("migrations");
+        sqlx::raw_sql(SCHEMA).execute(&pool).await.expect("schema");
+        StatementCatalog::prepare(&pool, pipeline)
+            .await
+            .expect("statements prepare")
+    });
+    let plugin_runtime = PluginRuntime::new().expect("plugin runtime");
+    let plugin = plugin_runtime
+        .load(&pipeline.plugin)
+        .expect("loyalty plugin (scripts/build-plugins.sh)");
+    let message = InboundMessage {
+        pipeline: pipeline.name.clone(),
+        body: body(9912),
+        ..InboundMessage::default()
+    };
+    let Ok(Outcome::Decision(decision)) =
+        runtime.block_on(plugin_runtime.invoke(&plugin, &pipeline.limits, &message))
+    else {
+        panic!("the loyalty plugin decides on an order");
+    };
+
+    let mut group = criterion.benchmark_group("host overhead per message");
+    group.bench_function(
+        "decode: delivery body and headers into the plugin's message",
+        |bench| {
+            bench.iter(|| {
+                black_box(InboundMessage {
+                    pipeline: pipeline.name.clone(),
+                    body: black_box(body(9912)),
+                    headers: vec![("x-idem-attempt".into(), "1".into())],
+                    routing_key: pipeline.queue.clone(),
+                    ..InboundMessage::default()
+                })
+            });
+        },
+    );
+    group.bench_function("plugin: fresh sandbox, instantiate and call", |bench| {
+        bench.iter(|| {
+            runtime
+                .block_on(plugin_runtime.invoke(&plugin, &pipeline.limits, black_box(&message)))
+                .expect("decision")
+        });
+    });
+    group.bench_function(
+        "effects: check, bind and encode the decision's statements",
+        |bench| {
+            bench.iter(|| {
+                let plan = Plan::build(
+                    pipeline,
+                    &catalog,
+                    black_box(&decision),
+                    &plugin.digest,
+                    false,
+                )
+                .expect("plan");
+                for effect in &plan.effects {
+                    black_box(effect.arguments().expect("arguments"));
+                }
+            });
+        },
+    );
+    group.bench_function("all three", |bench| {
+        bench.iter(|| {
+            let message = InboundMessage {
+                pipeline: pipeline.name.clone(),
+                body: black_box(body(9912)),
+                ..InboundMessage::default()
+            };
+            let Ok(Outcome::Decision(decision)) =
+                runtime.block_on(plugin_runtime.invoke(&plugin, &pipeline.limits, &message))
+            else {
+                panic!("decision");
+            };
+            let plan =
+                Plan::build(pipeline, &catalog, &decision, &plugin.digest, false).expect("plan");
+            for effect in &plan.effects {
+                black_box(effect.arguments().expect("arguments"));
+            }
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, host_overhead);
+criterion_main!(benches);
