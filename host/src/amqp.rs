@@ -66,8 +66,15 @@ pub struct Receipt {
 impl Session {
     /// Connects, declares the queue and its dead-letter queue, and starts consuming.
     pub async fn open(amqp_url: &str, pipeline: &PipelineConfig) -> Result<Session, AmqpError> {
-        let properties = ConnectionProperties::default()
-            .with_connection_name(LongString::from(format!("idem {}", pipeline.name)));
+        // Named so an operator (or a fault test) can tell which host and queue a
+        // connection serves: `idem loyalty on order-completed (pid 4242)`.
+        let properties =
+            ConnectionProperties::default().with_connection_name(LongString::from(format!(
+                "idem {} on {} (pid {})",
+                pipeline.name,
+                pipeline.queue,
+                std::process::id()
+            )));
         let connect_error = |source| AmqpError::Connect {
             endpoint: redact_url(amqp_url),
             source,

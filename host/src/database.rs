@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::migrate::{MigrateError, Migrator};
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -37,15 +37,21 @@ pub enum DatabaseError {
 
 /// Builds the pool, trying once.
 pub async fn connect_once(config: &DatabaseConfig) -> Result<PgPool, DatabaseError> {
+    let connect_error = |source| DatabaseError::Connect {
+        endpoint: redact_url(&config.url),
+        source,
+    };
+    let mut options: PgConnectOptions = config.url.parse().map_err(connect_error)?;
+    if options.get_application_name().is_none() {
+        // Visible in pg_stat_activity, so an operator can tell idem's sessions apart.
+        options = options.application_name("idem");
+    }
     PgPoolOptions::new()
         .max_connections(config.max_connections.get())
         .acquire_timeout(Duration::from_secs(5))
-        .connect(&config.url)
+        .connect_with(options)
         .await
-        .map_err(|source| DatabaseError::Connect {
-            endpoint: redact_url(&config.url),
-            source,
-        })
+        .map_err(connect_error)
 }
 
 /// Builds the pool, retrying with backoff while PostgreSQL is unreachable.

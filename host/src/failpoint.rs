@@ -1,6 +1,6 @@
 //! Deterministic crash points for the crash-window tests.
 //!
-//! `IDEM_FAILPOINT=before-commit` (or `after-commit`) makes the process abort at that
+//! `IDEM_FAILPOINT=before-commit` (or `after-commit`, `after-ack`) makes the process abort at that
 //! instant, as `kill -9` would, so a test can prove the redelivery neither loses nor
 //! doubles the effect. Unset in production: the check is one load of a cached value.
 
@@ -13,6 +13,8 @@ pub enum Failpoint {
     BeforeCommit,
     /// After `COMMIT` returned, before the ack is sent.
     AfterCommit,
+    /// After the ack was handed to the broker connection.
+    AfterAck,
 }
 
 impl Failpoint {
@@ -20,6 +22,7 @@ impl Failpoint {
         match self {
             Failpoint::BeforeCommit => "before-commit",
             Failpoint::AfterCommit => "after-commit",
+            Failpoint::AfterAck => "after-ack",
         }
     }
 

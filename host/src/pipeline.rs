@@ -18,6 +18,7 @@ use crate::amqp::{self, AmqpError, Receipt, Session};
 use crate::backoff::Backoff;
 use crate::config::{ClaimMode, Isolation, PipelineConfig};
 use crate::effect::Outcome;
+use crate::failpoint::Failpoint;
 use crate::ledger::Plan;
 use crate::message::InboundMessage;
 use crate::metrics::Metrics;
@@ -436,12 +437,14 @@ async fn settle_batch(
             Some(receipt) => receipt.ack_up_to().await,
             None => true,
         };
+        Failpoint::AfterAck.hit();
         for (receipt, outcome) in &acks {
             report(pipeline, receipt, outcome, done, received_at);
         }
     } else {
         for (receipt, outcome) in &acks {
             let done = receipt.ack().await;
+            Failpoint::AfterAck.hit();
             unsettled.remove(receipt.delivery_tag);
             report(pipeline, receipt, outcome, done, received_at);
         }

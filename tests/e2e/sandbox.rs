@@ -4,20 +4,6 @@ use std::time::{Duration, Instant};
 
 use idem_e2e::{TestEnv, order, pipeline_table, plugin_path, unacked, wait_for};
 
-/// Peak resident memory of process `pid`, in MiB.
-fn peak_rss_mib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find(|line| line.starts_with("VmHWM:"))
-                .and_then(|line| line.split_whitespace().nth(1))
-                .and_then(|kib| kib.parse::<u64>().ok())
-        })
-        .map_or(0, |kib| kib / 1024)
-}
-
 /// An infinite loop, a 1 GiB allocation, unbounded growth and a trap in one pipeline each
 /// dead-letter their message within the deadline, while a healthy pipeline in the same host
 /// credits 1,000 orders correctly.
@@ -110,7 +96,7 @@ async fn runaway_plugins_are_dead_lettered_while_a_healthy_pipeline_serves() {
         "the host stopped"
     );
     // A 1 GiB allocation that had been allowed would have shown in the peak.
-    let peak = peak_rss_mib(host.id());
+    let peak = idem_e2e::peak_rss_mib(host.id());
     let terminated = std::process::Command::new("kill")
         .args(["-TERM", &host.id().to_string()])
         .status()

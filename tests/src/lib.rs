@@ -4,6 +4,8 @@
 //! uniquely named queues, so tests run in parallel and repeatedly. Endpoints come from
 //! `IDEM_TEST_PG_ADMIN_URL` and `AMQP_URL`, defaulting to the local services.
 
+pub mod proxy;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -271,6 +273,15 @@ impl TestEnv {
         assert_eq!(mismatched, 0, "balances differ from the ledger sums");
     }
 
+    /// Deletes `queue` (cancelling its consumers, as a broker does) and declares it again.
+    pub async fn channel_queue_delete(&self, queue: &str) {
+        self.channel
+            .queue_delete(ShortString::from(queue), QueueDeleteOptions::default())
+            .await
+            .expect("delete queue");
+        declare_durable(&self.channel, queue).await;
+    }
+
     /// Drops the database and deletes the queues. Call at the end of a passing test.
     pub async fn cleanup(self) {
         let mut queues = vec![self.queue.clone(), self.dead_letter_queue.clone()];
@@ -531,6 +542,71 @@ pub fn unacked(queue: &str) -> u64 {
         .find(|(name, _)| *name == queue)
         .and_then(|(_, count)| count.trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// Consumers subscribed to `queue`, as the broker sees them.
+pub fn consumers(queue: &str) -> u64 {
+    let output = Command::new("rabbitmqctl")
+        .args([
+            "list_queues",
+            "--quiet",
+            "--no-table-headers",
+            "name",
+            "consumers",
+        ])
+        .output()
+        .expect("rabbitmqctl runs (it ships with rabbitmq-server)");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| line.split_once('\t'))
+        .find(|(name, _)| *name == queue)
+        .and_then(|(_, count)| count.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Closes the broker connections whose client-provided name contains `fragment` (idem names
+/// its connections `idem <pipeline> on <queue> (pid <pid>)`). Returns how many it closed.
+pub fn close_connections_named(fragment: &str) -> u64 {
+    let output = Command::new("rabbitmqctl")
+        .args([
+            "list_connections",
+            "--quiet",
+            "--no-table-headers",
+            "pid",
+            "client_properties",
+        ])
+        .output()
+        .expect("rabbitmqctl runs");
+    let mut closed = 0;
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Some((pid, properties)) = line.split_once('\t') else {
+            continue;
+        };
+        if !properties.contains(&format!("\"idem loyalty on {fragment} ")) {
+            continue;
+        }
+        let status = Command::new("rabbitmqctl")
+            .args(["close_connection", pid.trim(), "idem fault test"])
+            .status();
+        if matches!(status, Ok(status) if status.success()) {
+            closed += 1;
+        }
+    }
+    closed
+}
+
+/// Peak resident memory of process `pid`, in MiB.
+pub fn peak_rss_mib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with("VmHWM:"))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib / 1024)
 }
 
 /// An `OrderCompleted` body.
