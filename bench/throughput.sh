@@ -1,0 +1,586 @@
+#!/usr/bin/env bash
+# Throughput of `idem run` beside its two baselines, on the same data, in one run:
+#
+#   - idem: the loyalty pipeline (claim = "ledger") at each worker count and batch size;
+#   - pgbench: the same claim + credit + ledger transaction, one message per transaction, at
+#     the same number of connections (the database's own limit; bench/pgbench/message.sql);
+#   - reference: the guide's Python consumer (psycopg + pika, one transaction per message,
+#     ack after commit; bench/reference/consumer.py) at the same worker counts.
+#
+# Every run starts from a fresh `idem_bench` database and empty `bench-orders` queues, gets
+# ORDERS orders plus ORDERS*DUPLICATES redeliveries (published before the clock starts), is
+# timed until every message is settled, and is then verified: one ledger row and one claim
+# per order, balances equal to the ledger sums, nothing left in the queue. The report (also
+# written to bench/results/latest.txt) gives messages/second, p50/p99 latency, outcomes, peak
+# RSS and the ratios idem/pgbench and idem/reference for batch size 1 and the best batch size.
+# Exits non-zero if any run fails its verification. See bench/README.md.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+# --- knobs ----------------------------------------------------------------------------------
+ORDERS="${ORDERS:-20000}"                 # distinct orders per run
+DUPLICATES="${DUPLICATES:-0.2}"           # redeliveries, as a fraction of ORDERS
+CUSTOMERS="${CUSTOMERS:-20}"              # customers the orders are spread over
+WORKERS="${WORKERS:-1 4}"                 # idem workers = reference processes = pgbench clients
+BATCH_SIZES="${BATCH_SIZES:-1 16 64 256}" # idem batch sizes tried; best = fastest per worker count
+BATCH_LINGER="${BATCH_LINGER:-0ms}"       # [pipelines.bench.batch] linger when size > 1 (idem default: 0ms)
+PREFETCH="${PREFETCH:-64}"                # per consumer channel; batches get max(PREFETCH, 2*size*workers)
+PUBLISHER="${PUBLISHER:-idem-traffic}"    # idem-traffic | python (bench/reference/queues.py, faster)
+BASELINES="${BASELINES:-pgbench reference}" # which baselines to run
+BUILD="${BUILD:-1}"                       # 0: use the binaries already in target/release
+RUN_TIMEOUT="${RUN_TIMEOUT:-300}"         # seconds one consumer run may take before it fails
+HTTP_PORT="${HTTP_PORT:-9474}"            # idem's /metrics during the bench (127.0.0.1 only)
+PG_URL="${PG_URL:-postgres://postgres@127.0.0.1:5432}" # server, without a database name
+AMQP_URL="${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}"
+DB_NAME="idem_bench"
+QUEUE="bench-orders"
+export AMQP_URL
+
+admin_url="$PG_URL/postgres"
+db_url="$PG_URL/$DB_NAME"
+results="$root/bench/results"
+logs="$results/logs"
+runs="$logs/runs.tsv"
+report="$results/latest.txt"
+idem="${IDEM_BIN:-$root/target/release/idem}"                   # another build: IDEM_BIN=…
+traffic="${TRAFFIC_BIN:-$root/target/release/idem-traffic}"
+plugin="$root/plugins/dist/loyalty.wasm"
+venv="$root/bench/reference/.venv"
+py="$venv/bin/python"
+metrics_url="http://127.0.0.1:$HTTP_PORT/metrics"
+
+say() { echo "bench: $*" >&2; }
+die() { echo "bench: error: $*" >&2; exit 1; }
+now_ns() { date +%s%N; }
+
+# --- preconditions --------------------------------------------------------------------------
+for tool in psql pgbench curl python3 awk; do
+  command -v "$tool" >/dev/null || case "$tool" in
+    psql | pgbench) die "$tool not found; install it with: apt-get install postgresql-client" ;;
+    curl) die "curl not found; install it with: apt-get install curl" ;;
+    python3) die "python3 not found; install it with: apt-get install python3 python3-venv" ;;
+    *) die "$tool not found" ;;
+  esac
+done
+[[ "$ORDERS" =~ ^[1-9][0-9]*$ ]] || die "ORDERS must be a positive integer, not '$ORDERS'"
+[[ "$DUPLICATES" =~ ^[0-9]*\.?[0-9]+$ ]] || die "DUPLICATES must be a non-negative number, not '$DUPLICATES'"
+for value in $WORKERS $BATCH_SIZES $CUSTOMERS $PREFETCH; do
+  [[ "$value" =~ ^[1-9][0-9]*$ ]] || die "WORKERS, BATCH_SIZES, CUSTOMERS and PREFETCH take positive integers, not '$value'"
+done
+case "$PUBLISHER" in idem-traffic | python) ;; *) die "PUBLISHER is idem-traffic or python, not '$PUBLISHER'" ;; esac
+
+scripts/services.sh >&2
+if curl -s --max-time 1 -o /dev/null "http://127.0.0.1:$HTTP_PORT/"; then
+  die "something already listens on 127.0.0.1:$HTTP_PORT; set HTTP_PORT to a free port"
+fi
+
+# The reference consumer's dependencies, in a venv of its own; reinstalled only when
+# requirements.txt changed.
+requirements="$root/bench/reference/requirements.txt"
+if [ ! -x "$py" ]; then
+  say "creating $venv"
+  python3 -m venv "$venv" ||
+    die "python3 -m venv failed; install venv support with: apt-get install python3-venv"
+fi
+stamp="$venv/.requirements.sha256"
+if [ "$(sha256sum <"$requirements")" != "$(cat "$stamp" 2>/dev/null)" ]; then
+  say "installing $requirements into $venv"
+  "$py" -m pip install --quiet --disable-pip-version-check -r "$requirements" ||
+    die "pip could not install the reference consumer's dependencies; try: $py -m pip install -r $requirements"
+  sha256sum <"$requirements" >"$stamp"
+fi
+"$py" -c "import pika, psycopg" 2>/dev/null ||
+  die "pika or psycopg missing in $venv; install them with: $py -m pip install -r $requirements"
+
+if [ "$BUILD" = 1 ]; then
+  command -v cargo >/dev/null ||
+    die "cargo not found; install Rust (rustup), or run with BUILD=0 and binaries in target/release"
+  say "building idem and idem-traffic (release) and the loyalty plugin"
+  cargo build --release -p idem-host --bin idem -p idem-e2e --bin idem-traffic ||
+    die "cargo build --release failed (see above); BUILD=0 reuses the binaries in target/release"
+  scripts/build-plugins.sh >/dev/null || die "scripts/build-plugins.sh failed (see above)"
+fi
+[ -x "$idem" ] || die "$idem is missing; build it with: cargo build --release -p idem-host --bin idem"
+[ -f "$plugin" ] || die "$plugin is missing; build it with: scripts/build-plugins.sh"
+if [ "$PUBLISHER" = idem-traffic ] && [ ! -x "$traffic" ]; then
+  die "$traffic is missing; build it with: cargo build --release -p idem-e2e --bin idem-traffic (or PUBLISHER=python)"
+fi
+
+mkdir -p "$logs"
+rm -f "$logs"/*
+printf 'kind\tworkers\tbatch\tstatus\tmsgs_s\tp50_ms\tp99_ms\toutcomes\trss_kib\tcheck\tnote\n' >"$runs"
+failures=0
+duplicates_count=$(awk -v n="$ORDERS" -v d="$DUPLICATES" 'BEGIN { x = n * d; printf "%d", (x - int(x) >= 0.5) ? int(x) + 1 : int(x) }')
+messages=$((ORDERS + duplicates_count)) # what idem-traffic publishes: every order once + redeliveries
+load_before="$(cut -d' ' -f1-3 /proc/loadavg)"
+
+idem_pid=""
+stop_idem() { # on exit or interrupt: stop the host this script started, and only that one
+  if [ -n "$idem_pid" ] && kill -0 "$idem_pid" 2>/dev/null; then
+    kill -TERM "$idem_pid" 2>/dev/null || true
+    wait "$idem_pid" 2>/dev/null || true
+  fi
+}
+trap stop_idem EXIT
+trap 'exit 130' INT TERM
+
+record() { # record kind workers batch status msgs_s p50 p99 outcomes rss check note
+  local IFS=$'\t'
+  echo "$*" >>"$runs"
+}
+
+# --- one fresh data set ---------------------------------------------------------------------
+write_config() { # write_config <file> <workers> <batch size> [batch table: 1 (default) | 0]
+  local file="$1" workers="$2" batch="$3" table="${4:-1}" prefetch="$PREFETCH"
+  if [ "$batch" -gt 1 ] && [ $((2 * batch * workers)) -gt "$prefetch" ]; then
+    prefetch=$((2 * batch * workers))
+    [ "$prefetch" -le 65535 ] || prefetch=65535
+  fi
+  cat >"$file" <<EOF
+# Written by bench/throughput.sh: the loyalty pipeline at $workers worker(s), batch size $batch.
+[database]
+url = "$db_url"
+max_connections = $workers   # the same number of connections as the baselines
+
+[amqp]
+url = "$AMQP_URL"
+
+[http]
+listen = "127.0.0.1:$HTTP_PORT"
+
+[pipelines.bench]
+queue = "$QUEUE"
+consumer = "loyalty"
+plugin = "$plugin"
+claim = "ledger"
+prefetch = $prefetch
+workers = $workers
+watch = false
+
+[pipelines.bench.retention]
+every = "0s"    # no background cleaning during the measurement
+EOF
+  if [ "$table" = 1 ] && [ "$batch" -gt 1 ]; then
+    cat >>"$file" <<EOF
+
+[pipelines.bench.batch]
+size = $batch
+linger = "$BATCH_LINGER"
+EOF
+  elif [ "$table" = 1 ]; then
+    # Explicit: a build with batching may batch by default when the table is absent.
+    cat >>"$file" <<EOF
+
+[pipelines.bench.batch]
+size = 1        # one message per transaction
+EOF
+  fi
+  cat >>"$file" <<'EOF'
+
+[pipelines.bench.statements]
+credit_balance = """
+INSERT INTO balances (customer_id, points) VALUES ($1, $2)
+ON CONFLICT (customer_id) DO UPDATE SET points = balances.points + EXCLUDED.points
+"""
+record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES ($1, $2, $3)"
+EOF
+}
+
+base_config="$logs/base.toml"
+write_config "$base_config" 1 1 0 # for `idem migrate`, which any build accepts
+
+fresh_database() {
+  PGOPTIONS="-c client_min_messages=warning" psql "$admin_url" -qX -v ON_ERROR_STOP=1 \
+    -c "DROP DATABASE IF EXISTS $DB_NAME WITH (FORCE)" -c "CREATE DATABASE $DB_NAME" >/dev/null
+  "$idem" migrate --config "$base_config" >>"$logs/setup.log" 2>&1 ||
+    die "idem migrate failed; see $logs/setup.log"
+  psql "$db_url" -qX -v ON_ERROR_STOP=1 -f examples/loyalty/schema.sql >/dev/null
+  psql "$db_url" -qX -c "CHECKPOINT" >/dev/null # no checkpoint of the set-up inside the timing
+}
+
+fresh_queues_and_publish() { # publishes the run's messages into an empty queue
+  "$py" bench/reference/queues.py purge "$QUEUE" "$QUEUE.dead-letter"
+  local output published started
+  started=$(now_ns)
+  if [ "$PUBLISHER" = idem-traffic ]; then
+    output="$("$traffic" --queue "$QUEUE" --orders "$ORDERS" --duplicates "$DUPLICATES" --customers "$CUSTOMERS")" ||
+      die "idem-traffic failed to publish"
+  else
+    output="$(CUSTOMERS="$CUSTOMERS" "$py" bench/reference/queues.py publish "$QUEUE" "$ORDERS" "$DUPLICATES")" ||
+      die "bench/reference/queues.py failed to publish"
+  fi
+  published="$(sed -n 's/^published \([0-9][0-9]*\) messages.*/\1/p' <<<"$output")"
+  [ "$published" = "$messages" ] ||
+    die "expected to publish $messages messages, the publisher said: $output"
+  [ "$("$py" bench/reference/queues.py depth "$QUEUE")" = "$messages" ] ||
+    die "queue $QUEUE does not hold the $messages messages just published"
+  say "published $messages messages with $PUBLISHER in $((($(now_ns) - started) / 1000000)) ms (not timed)"
+}
+
+# --- verification ---------------------------------------------------------------------------
+verify() { # verify <label> <consumer run: 1|0>; prints PASS/FAIL with the figures, sets $check
+  local label="$1" via_queue="$2" row problems=()
+  row="$(psql "$db_url" -qAtX -F ' ' -v ON_ERROR_STOP=1 -c "
+    SELECT (SELECT count(*) FROM point_ledger),
+           (SELECT count(DISTINCT order_id) FROM point_ledger),
+           (SELECT count(*) FROM processed_messages WHERE consumer = 'loyalty'),
+           (SELECT count(*) FROM (SELECT customer_id, sum(points) AS points FROM point_ledger GROUP BY 1) l
+              FULL JOIN balances b USING (customer_id) WHERE l.points IS DISTINCT FROM b.points),
+           (SELECT count(*) FROM point_ledger
+              WHERE order_id NOT BETWEEN 1 AND $ORDERS
+                 OR customer_id <> order_id % $CUSTOMERS + 1
+                 OR points <> (500 + (order_id * 7919) % 20000) / 100)")"
+  local ledger distinct claims mismatched wrong
+  read -r ledger distinct claims mismatched wrong <<<"$row"
+  [ "$ledger" = "$ORDERS" ] || problems+=("ledger rows $ledger, expected $ORDERS")
+  [ "$distinct" = "$ledger" ] || problems+=("ledger has $ledger rows for $distinct orders")
+  [ "$claims" = "$ORDERS" ] || problems+=("claims $claims, expected $ORDERS")
+  [ "$mismatched" = 0 ] || problems+=("$mismatched customers whose balance differs from their ledger sum")
+  [ "$wrong" = 0 ] || problems+=("$wrong ledger rows with a wrong customer, order or points")
+  if [ "$via_queue" = 1 ]; then
+    local left dead
+    left="$("$py" bench/reference/queues.py depth "$QUEUE")"
+    dead="$("$py" bench/reference/queues.py depth "$QUEUE.dead-letter")"
+    [ "$left" = 0 ] || problems+=("$left messages left in $QUEUE")
+    [ "$dead" = 0 ] || problems+=("$dead messages dead-lettered")
+  fi
+  if [ "${#problems[@]}" -eq 0 ]; then
+    check=PASS
+    say "$label: PASS (ledger $ledger rows = $distinct orders, claims $claims, 0 balance mismatches)"
+  else
+    check=FAIL
+    failures=$((failures + 1))
+    local IFS=';'
+    say "$label: FAIL (${problems[*]})"
+  fi
+}
+
+# --- latency from a Prometheus histogram ----------------------------------------------------
+histogram_summary() { # histogram_summary <metrics file>: "p50_ms p99_ms outcomes"
+  "$py" - "$1" <<'PY'
+import re, sys
+buckets, outcomes, retries = [], {}, 0
+for line in open(sys.argv[1]):
+    m = re.match(r'idem_message_seconds_bucket\{(.*)\} (\S+)', line)
+    if m and 'pipeline="bench"' in m.group(1):
+        le = re.search(r'le="([^"]+)"', m.group(1)).group(1)
+        buckets.append((float("inf") if le == "+Inf" else float(le), float(m.group(2))))
+    m = re.match(r'idem_database_retries_total\{(.*)\} (\S+)', line)
+    if m and 'pipeline="bench"' in m.group(1):
+        retries += int(float(m.group(2)))
+    m = re.match(r'idem_messages_total\{(.*)\} (\S+)', line)
+    if m and 'pipeline="bench"' in m.group(1):
+        outcome = re.search(r'outcome="([^"]+)"', m.group(1)).group(1)
+        outcomes[outcome] = outcomes.get(outcome, 0) + int(float(m.group(2)))
+buckets.sort()
+def quantile(q):  # linear interpolation inside the bucket holding the q-th observation
+    total = buckets[-1][1] if buckets else 0
+    if total == 0:
+        return "-"
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= rank:
+            if upper == float("inf"):
+                return f">{lower * 1000:.0f}"
+            inside = cumulative - below
+            fraction = (rank - below) / inside if inside else 1.0
+            return f"{(lower + (upper - lower) * fraction) * 1000:.3f}"
+        lower, below = upper, cumulative
+    return "-"
+order = ["applied", "duplicate", "stale", "skipped", "rejected", "retried", "requeued"]
+names = sorted(outcomes, key=lambda o: order.index(o) if o in order else len(order))
+text = ", ".join(f"{o} {outcomes[o]}" for o in names if outcomes[o]) or "none"
+if retries:
+    text += f"; {retries} transaction retries"
+print(quantile(0.50), quantile(0.99), text, sep="\t")
+PY
+}
+
+settled() { # messages with a final outcome, from idem's /metrics
+  curl -fsS --max-time 2 "$metrics_url" 2>/dev/null |
+    awk '/^idem_messages_total\{/ && /pipeline="bench"/ && /outcome="(applied|duplicate|stale|skipped|rejected)"/ { s += $NF }
+         END { printf "%d\n", s }'
+}
+
+# --- the runs -------------------------------------------------------------------------------
+run_pgbench() { # run_pgbench <clients>
+  local clients="$1" label="pgbench c=$1" per_client output tps processed rate latencies
+  say "$label: $messages messages of the same stream, -c $clients -j $clients"
+  fresh_database
+  per_client=$(((messages + clients - 1) / clients))
+  rm -f "$logs"/pgbench_log.*
+  if ! output="$(cd "$logs" && pgbench -n -M prepared -c "$clients" -j "$clients" -t "$per_client" \
+    -D i=0 -D clients="$clients" -D messages="$messages" -D orders="$ORDERS" \
+    -D customers="$CUSTOMERS" -D seed=$RANDOM -f "$root/bench/pgbench/message.sql" \
+    --log --log-prefix=pgbench_log "$db_url" 2>&1)"; then
+    echo "$output" >"$logs/pgbench-c$clients.log"
+    say "$label: pgbench failed; see $logs/pgbench-c$clients.log"
+    failures=$((failures + 1))
+    record pgbench "$clients" - failed - - - - - FAIL "pgbench failed"
+    return
+  fi
+  echo "$output" >"$logs/pgbench-c$clients.log"
+  tps="$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)/\1/p' <<<"$output")"
+  processed="$(sed -n 's/^number of transactions actually processed: \([0-9]*\)\/.*/\1/p' <<<"$output")"
+  { [ -n "$tps" ] && [ -n "$processed" ]; } || die "cannot read pgbench's figures; see $logs/pgbench-c$clients.log"
+  # Clients whose last turn falls past the stream run an empty transaction: count messages.
+  rate="$(awk -v tps="$tps" -v p="$processed" -v m="$messages" 'BEGIN { printf "%.1f", tps * m / p }')"
+  # Per-transaction latency (µs, third column of pgbench's log), in milliseconds.
+  latencies="$(cat "$logs"/pgbench_log.* | awk '{ print $3 / 1000 }' | sort -n |
+    awk '{ v[NR] = $1 } END { printf "%.3f\t%.3f", v[int((NR - 1) * 0.50) + 1], v[int((NR - 1) * 0.99) + 1] }')"
+  rm -f "$logs"/pgbench_log.*
+  say "$label: $rate messages/s (tps $tps without connection time)"
+  local check
+  verify "$label" 0
+  local applied
+  applied="$(psql "$db_url" -qAtX -c "SELECT count(*) FROM point_ledger")"
+  record pgbench "$clients" - ok "$rate" "${latencies%%$'\t'*}" "${latencies##*$'\t'}" \
+    "applied $applied, duplicate $((messages - applied))" - "$check" "transaction latency"
+}
+
+run_reference() { # run_reference <workers>
+  local workers="$1" label="reference w=$1" output json
+  say "$label: publishing $messages messages"
+  fresh_database
+  fresh_queues_and_publish
+  say "$label: consuming"
+  if ! output="$("$py" bench/reference/consumer.py --queue "$QUEUE" --database-url "$db_url" \
+    --amqp-url "$AMQP_URL" --workers "$workers" --prefetch "$PREFETCH" --expect "$messages" \
+    --idle-timeout 10 2>"$logs/reference-w$workers.log")"; then
+    say "$label: the reference consumer failed; see $logs/reference-w$workers.log"
+    failures=$((failures + 1))
+    record reference "$workers" - failed - - - - - FAIL "consumer failed"
+    return
+  fi
+  json="$(tail -n 1 <<<"$output")"
+  local fields
+  fields="$("$py" -c '
+import json, sys
+r = json.loads(sys.argv[1])
+print(r["messages_per_second"], r["p50_ms"], r["p99_ms"],
+      "applied %d, duplicate %d" % (r["applied"], r["duplicate"]), r["peak_rss_kib"], r["applied"], sep="\t")
+' "$json")"
+  local rate p50 p99 outcomes rss applied
+  IFS=$'\t' read -r rate p50 p99 outcomes rss applied <<<"$fields"
+  say "$label: $rate messages/s"
+  local check
+  verify "$label" 1
+  if [ "$applied" != "$ORDERS" ] && [ "$check" = PASS ]; then
+    check=FAIL; failures=$((failures + 1)); say "$label: FAIL (consumer applied $applied, expected $ORDERS)"
+  fi
+  record reference "$workers" - ok "$rate" "$p50" "$p99" "$outcomes" "$rss" "$check" "summed over processes"
+}
+
+run_idem() { # run_idem <workers> <batch size>
+  local workers="$1" batch="$2" label="idem w=$1 batch=$2"
+  local config="$logs/idem-w$workers-b$batch.toml" log="$logs/idem-w$workers-b$batch.log"
+  write_config "$config" "$workers" "$batch"
+  say "$label: publishing $messages messages"
+  fresh_database
+  fresh_queues_and_publish
+  local note="histogram p50/p99"
+  if [ "$batch" = 1 ] && ! "$idem" check --config "$config" >"$log" 2>&1; then
+    # A build without batching refuses the table; without it, it is one message per
+    # transaction anyway.
+    write_config "$config" "$workers" 1 0
+    note="no batch table (this build refuses it)"
+    say "$label: this idem refuses [pipelines.bench.batch]; running it without the table"
+  fi
+  if ! "$idem" check --config "$config" >"$log" 2>&1; then
+    local reason
+    reason="$(grep -v '^\s*$' "$log" | head -n 3 | tr '\n' ' ' | cut -c1-160)"
+    if [ "$batch" -gt 1 ]; then
+      say "$label: REFUSED: this idem does not accept [pipelines.bench.batch] ($reason); skipping this run"
+      record idem "$workers" "$batch" refused - - - - - - "config refused: $reason"
+    else
+      say "$label: FAIL: idem check refused the config: $reason (full output in $log)"
+      failures=$((failures + 1))
+      record idem "$workers" "$batch" failed - - - - - FAIL "idem check failed"
+    fi
+    return
+  fi
+  say "$label: consuming"
+  local started ready_ns="" done_ns="" pid
+  started=$(now_ns)
+  "$idem" run --config "$config" >>"$log" 2>&1 &
+  pid=$!
+  idem_pid=$pid
+  # Ready = connected and consuming: the clock starts there (start-up is not timed).
+  while :; do
+    if ! kill -0 "$pid" 2>/dev/null; then break; fi
+    if curl -fsS --max-time 1 "http://127.0.0.1:$HTTP_PORT/readyz" >/dev/null 2>&1; then
+      ready_ns=$(now_ns); break
+    fi
+    if [ $(($(now_ns) - started)) -gt 60000000000 ]; then break; fi
+    sleep 0.02
+  done
+  if [ -z "$ready_ns" ]; then
+    local status=running
+    kill -0 "$pid" 2>/dev/null && kill -TERM "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null && status=0 || status=$?
+    idem_pid=""
+    local reason
+    reason="$(grep -iE 'error|refus|unknown' "$log" | tail -n 2 | tr '\n' ' ' | cut -c1-160)"
+    if [ "$batch" -gt 1 ]; then
+      say "$label: REFUSED at start-up (exit $status): $reason; see $log"
+      record idem "$workers" "$batch" refused - - - - - - "refused at start-up: $reason"
+    else
+      say "$label: FAIL: idem did not become ready (exit $status); see $log"
+      failures=$((failures + 1))
+      record idem "$workers" "$batch" failed - - - - - FAIL "not ready"
+    fi
+    return
+  fi
+  local count=0
+  while :; do
+    count="$(settled)"
+    if [ "${count:-0}" -ge "$messages" ]; then done_ns=$(now_ns); break; fi
+    kill -0 "$pid" 2>/dev/null || break
+    [ $(($(now_ns) - ready_ns)) -lt $((RUN_TIMEOUT * 1000000000)) ] || break
+    sleep 0.05
+  done
+  curl -fsS --max-time 5 "$metrics_url" >"$logs/idem-w$workers-b$batch.metrics" 2>/dev/null || true
+  local rss_kib
+  rss_kib="$(awk '/^VmHWM:/ { print $2 }' "/proc/$pid/status" 2>/dev/null || echo -)"
+  local exit_status=0
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid"
+  fi
+  wait "$pid" || exit_status=$?
+  idem_pid=""
+  local rate summary p50 p99 outcomes
+  summary="$(histogram_summary "$logs/idem-w$workers-b$batch.metrics")"
+  IFS=$'\t' read -r p50 p99 outcomes <<<"$summary"
+  if [ -z "$done_ns" ]; then
+    say "$label: FAIL: only ${count:-0} of $messages messages settled within ${RUN_TIMEOUT} s (exit $exit_status; $outcomes); see $log"
+    failures=$((failures + 1))
+    record idem "$workers" "$batch" failed - - - "$outcomes" "${rss_kib:--}" FAIL "${count:-0}/$messages settled in $RUN_TIMEOUT s"
+    return
+  fi
+  rate="$(awk -v m="$messages" -v ns=$((done_ns - ready_ns)) 'BEGIN { printf "%.1f", m / (ns / 1e9) }')"
+  say "$label: $rate messages/s ($outcomes; start-up $(((ready_ns - started) / 1000000)) ms, not timed)"
+  local check
+  verify "$label" 1
+  if [ "$exit_status" != 0 ]; then
+    check=FAIL; failures=$((failures + 1))
+    say "$label: FAIL (idem exited $exit_status after SIGTERM; see $log)"
+    note="exit $exit_status after SIGTERM"
+  fi
+  local applied
+  applied="$(sed -n 's/.*applied \([0-9]*\).*/\1/p' <<<"$outcomes")"
+  if [ "${applied:-0}" != "$ORDERS" ] && [ "$check" = PASS ]; then
+    check=FAIL; failures=$((failures + 1)); say "$label: FAIL (idem counted ${applied:-0} applied, expected $ORDERS)"
+  fi
+  record idem "$workers" "$batch" ok "$rate" "$p50" "$p99" "$outcomes" "$rss_kib" "$check" "$note"
+}
+
+started_at="$(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+say "$messages messages per run ($ORDERS orders + $duplicates_count redeliveries), workers: $WORKERS, batch sizes: $BATCH_SIZES"
+for workers in $WORKERS; do
+  for baseline in $BASELINES; do
+    case "$baseline" in
+      pgbench) run_pgbench "$workers" ;;
+      reference) run_reference "$workers" ;;
+      *) die "unknown baseline '$baseline' in BASELINES (pgbench, reference)" ;;
+    esac
+  done
+  for batch in $BATCH_SIZES; do
+    run_idem "$workers" "$batch"
+  done
+done
+
+# --- the report -----------------------------------------------------------------------------
+pg_version="$(psql "$admin_url" -qAtX -c 'SHOW server_version')"
+rabbit_version="$("$py" bench/reference/queues.py version 2>/dev/null || echo unknown)"
+cpu_model="$(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo)"
+memory="$(awk '/^MemTotal:/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
+revision="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+if [ -n "$(git status --porcelain 2>/dev/null | grep -v '^??' || true)" ]; then revision="$revision (with local changes)"; fi
+load_after="$(cut -d' ' -f1-3 /proc/loadavg)"
+
+{
+  echo "idem throughput benchmark: $started_at"
+  echo "machine: $(nproc) CPUs ($cpu_model), $memory; PostgreSQL $pg_version; $rabbit_version; idem $revision"
+  echo "load average before: $load_before, after: $load_after"
+  echo "data: $messages messages per run = $ORDERS orders + $duplicates_count redeliveries ($DUPLICATES), $CUSTOMERS customers; publisher: $PUBLISHER; prefetch $PREFETCH; batch linger $BATCH_LINGER"
+  echo
+  "$py" - "$runs" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
+
+def name(r):
+    if r["kind"] == "idem":
+        return f"idem       workers={r['workers']} batch={r['batch']}"
+    if r["kind"] == "pgbench":
+        return f"pgbench    connections={r['workers']}"
+    return f"reference  workers={r['workers']}"
+
+def size(kib):
+    return f"{int(kib) / 1024:.0f} MiB" if kib.isdigit() else "-"
+
+header = ("configuration", "msgs/s", "p50 ms", "p99 ms", "outcomes", "peak RSS", "check")
+lines = []
+for r in rows:
+    if r["status"] == "ok":
+        lines.append((name(r), r["msgs_s"], r["p50_ms"], r["p99_ms"], r["outcomes"], size(r["rss_kib"]), r["check"]))
+    else:
+        detail = r["note"] if r["outcomes"] in ("", "-") else f"{r['note']}: {r['outcomes']}"
+        lines.append((name(r), r["status"].upper(), "", "", detail, size(r["rss_kib"]), r["check"]))
+widths = [max(len(str(line[i])) for line in [header] + lines) for i in range(len(header))]
+right = {1, 2, 3, 5}
+def fmt(line):
+    return "  ".join(str(v).rjust(w) if i in right else str(v).ljust(w) for i, (v, w) in enumerate(zip(line, widths))).rstrip()
+print(fmt(header))
+print("  ".join("-" * w for w in widths))
+for line in lines:
+    print(fmt(line))
+print()
+print("latency: idem, delivery to settlement (idem_message_seconds histogram, interpolated inside")
+print("its power-of-two buckets); reference, callback to ack; pgbench, one transaction.")
+print("peak RSS: idem VmHWM of the one process; reference summed over its worker processes.")
+print()
+
+def rate(kind, workers, batch=None):
+    for r in rows:
+        if r["kind"] == kind and r["workers"] == workers and r["status"] == "ok" and (batch is None or r["batch"] == batch):
+            return float(r["msgs_s"])
+    return None
+
+def ratio(a, b):
+    return f"{a / b:.2f}" if a and b else "n/a"
+
+print(f"{'ratios (messages/s over messages/s)':<50}  {'idem/pgbench':>12}  {'idem/reference':>14}")
+for workers in sorted({r["workers"] for r in rows if r["kind"] == "idem"}, key=int):
+    candidates = [r for r in rows if r["kind"] == "idem" and r["workers"] == workers and r["status"] == "ok"]
+    best = max(candidates, key=lambda r: float(r["msgs_s"]), default=None)
+    pg, ref = rate("pgbench", workers), rate("reference", workers)
+    one = rate("idem", workers, "1")
+    print(f"{f'workers {workers}, batch 1':<50}  {ratio(one, pg):>12}  {ratio(one, ref):>14}")
+    if best is None:
+        print(f"{f'workers {workers}, best batch':<50}  {'n/a':>12}  {'n/a':>14}")
+    else:
+        label = f"workers {workers}, best batch ({best['batch']})"
+        for status in ("refused", "failed"):
+            batches = [r["batch"] for r in rows if r["kind"] == "idem" and r["workers"] == workers and r["status"] == status]
+            if batches:
+                label += f"; {status}: {' '.join(batches)}"
+        b = float(best["msgs_s"])
+        print(f"{label:<50}  {ratio(b, pg):>12}  {ratio(b, ref):>14}")
+print()
+passed = sum(r["check"] == "PASS" for r in rows)
+failed = [r for r in rows if r["check"] == "FAIL"]
+print(f"verification after every run: {passed} PASS, {len(failed)} FAIL")
+for r in failed:
+    print(f"  FAIL: {' '.join(name(r).split())}: {r['note']} (details in the log above)")
+PY
+} >"$report"
+
+echo
+cat "$report"
+echo
+say "report written to ${report#"$root"/}; logs and configs in ${logs#"$root"/}/"
+if [ "$failures" -gt 0 ]; then
+  say "$failures failure(s)"
+  exit 1
+fi
