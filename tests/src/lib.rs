@@ -62,6 +62,8 @@ pub struct TestEnv {
     pub dead_letter_queue: String,
     pub channel: Channel,
     extra_queue_names: std::sync::Mutex<Vec<String>>,
+    /// A fresh connection once `channel` died (the broker restarted under a fault test).
+    reconnected: tokio::sync::Mutex<Option<(Connection, Channel)>>,
     _connection: Connection,
 }
 
@@ -113,6 +115,7 @@ impl TestEnv {
             dead_letter_queue,
             channel,
             extra_queue_names: std::sync::Mutex::new(Vec::new()),
+            reconnected: tokio::sync::Mutex::new(None),
             _connection: connection,
         }
     }
@@ -205,21 +208,37 @@ impl TestEnv {
         Host { token, task }
     }
 
+    /// The test's broker channel, reconnected if the broker closed the first one.
+    pub async fn live_channel(&self) -> Channel {
+        if self.channel.status().connected() {
+            return self.channel.clone();
+        }
+        let mut reconnected = self.reconnected.lock().await;
+        if let Some((_, channel)) = reconnected.as_ref()
+            && channel.status().connected()
+        {
+            return channel.clone();
+        }
+        let (connection, channel) = connect_channel().await;
+        *reconnected = Some((connection, channel.clone()));
+        channel
+    }
+
     /// Publishes `body` persistently to the test queue and waits for the broker's confirm.
     pub async fn publish(&self, body: &[u8]) {
-        publish(&self.channel, &self.queue, body).await;
+        publish(&self.live_channel().await, &self.queue, body).await;
     }
 
     /// Messages ready in `queue` (not counting unacked ones).
     pub async fn ready(&self, queue: &str) -> u32 {
-        queue_ready(&self.channel, queue).await
+        queue_ready(&self.live_channel().await, queue).await
     }
 
     /// Takes every message out of `queue`, returning body and headers as text.
     pub async fn drain(&self, queue: &str) -> Vec<(String, Vec<(String, String)>)> {
         let mut drained = Vec::new();
-        while let Some(message) = self
-            .channel
+        let channel = self.live_channel().await;
+        while let Some(message) = channel
             .basic_get(ShortString::from(queue), BasicGetOptions { no_ack: true })
             .await
             .expect("basic.get")
@@ -275,20 +294,21 @@ impl TestEnv {
 
     /// Deletes `queue` (cancelling its consumers, as a broker does) and declares it again.
     pub async fn channel_queue_delete(&self, queue: &str) {
-        self.channel
+        let channel = self.live_channel().await;
+        channel
             .queue_delete(ShortString::from(queue), QueueDeleteOptions::default())
             .await
             .expect("delete queue");
-        declare_durable(&self.channel, queue).await;
+        declare_durable(&channel, queue).await;
     }
 
     /// Drops the database and deletes the queues. Call at the end of a passing test.
     pub async fn cleanup(self) {
         let mut queues = vec![self.queue.clone(), self.dead_letter_queue.clone()];
         queues.extend(self.extra_queue_names.lock().expect("queue list").drain(..));
+        let channel = self.live_channel().await;
         for queue in &queues {
-            let _ = self
-                .channel
+            let _ = channel
                 .queue_delete(
                     ShortString::from(queue.as_str()),
                     QueueDeleteOptions::default(),
