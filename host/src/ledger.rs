@@ -167,7 +167,7 @@ impl<'a> Plan<'a> {
 pub async fn apply(pool: &PgPool, plan: &Plan<'_>) -> Result<ClaimOutcome, LedgerError> {
     let transient = |source| LedgerError::Transient { source };
     let mut transaction = begin(pool, plan.isolation).await?;
-    let outcome = apply_steps(&mut transaction, plan).await?;
+    let outcome = apply_steps(&mut transaction, plan, false).await?;
     if outcome != ClaimOutcome::Applied {
         // A duplicate or stale message commits nothing.
         transaction.rollback().await.map_err(transient)?;
@@ -184,12 +184,142 @@ pub async fn apply(pool: &PgPool, plan: &Plan<'_>) -> Result<ClaimOutcome, Ledge
 /// How one message of a batch ended inside the batch's transaction.
 pub type BatchItem = Result<ClaimOutcome, LedgerError>;
 
-/// Runs `plans` in ONE transaction, each in its own savepoint: a message whose effect fails
-/// rolls back to its savepoint (its item is `Err(LedgerError::Effect)`), the others commit.
-/// Ledger claims are taken in key order, so two batches never deadlock on claims, and a key
-/// repeated within the batch is a duplicate without a round trip. A transient error fails
-/// the whole batch (`Err`), to be retried as a whole.
+/// Runs `plans` in ONE transaction. Ledger claims are taken in key order, so two batches
+/// never deadlock on claims, and a key repeated within the batch is a duplicate without a
+/// round trip. If a message's effect fails, the batch is run again with a savepoint per
+/// message: that message rolls back to its savepoint (its item is `Err(LedgerError::Effect)`)
+/// and the others commit. A transient error fails the whole batch (`Err`), to be retried as
+/// a whole.
 pub async fn apply_batch(
+    pool: &PgPool,
+    isolation: Isolation,
+    plans: &[&Plan<'_>],
+) -> Result<Vec<BatchItem>, LedgerError> {
+    match apply_batch_optimistic(pool, isolation, plans).await? {
+        Some(items) => Ok(items),
+        None => apply_batch_isolating(pool, isolation, plans).await,
+    }
+}
+
+/// The claims of every ledger plan in one statement, in byte order of the key (the order
+/// every host and the savepoint path take them in); returns the keys that were new.
+const BULK_CLAIM_SQL: &str = "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
+     SELECT $1, claim.key, claim.digest FROM unnest($2::text[], $3::text[]) AS claim(key, digest) \
+     ORDER BY claim.key COLLATE \"C\" \
+     ON CONFLICT DO NOTHING RETURNING message_key";
+
+/// The fast path: all ledger claims in one round trip, then each new message's effects with
+/// no savepoint. `Ok(None)` when an effect failed: everything was rolled back, and the caller
+/// isolates the failure with savepoints.
+async fn apply_batch_optimistic(
+    pool: &PgPool,
+    isolation: Isolation,
+    plans: &[&Plan<'_>],
+) -> Result<Option<Vec<BatchItem>>, LedgerError> {
+    let mut order: Vec<usize> = (0..plans.len()).collect();
+    order.sort_by(|left, right| plans[*left].key.cmp(plans[*right].key));
+    let mut items: Vec<Option<BatchItem>> = (0..plans.len()).map(|_| None).collect();
+    let mut transaction = begin(pool, isolation).await?;
+    let bulk = |plan: &Plan<'_>| {
+        matches!(
+            plan.claim,
+            ClaimStrategy::Ledger {
+                partitioned: false,
+                ..
+            }
+        )
+    };
+    let mut claim_keys = Vec::new();
+    let mut claim_digests = Vec::new();
+    let mut consumer = "";
+    let mut first_of_key = std::collections::HashSet::new();
+    for &index in &order {
+        let plan = plans[index];
+        if let ClaimStrategy::Ledger {
+            consumer: plan_consumer,
+            plugin_digest,
+            partitioned: false,
+        } = plan.claim
+        {
+            if first_of_key.insert(plan.key) {
+                consumer = plan_consumer;
+                claim_keys.push(plan.key);
+                claim_digests.push(plugin_digest);
+            } else {
+                items[index] = Some(Ok(ClaimOutcome::Duplicate));
+            }
+        }
+    }
+    let mut new_keys = std::collections::HashSet::new();
+    if !claim_keys.is_empty() {
+        let inserted: Vec<String> = sqlx::query_scalar(BULK_CLAIM_SQL)
+            .bind(consumer)
+            .bind(&claim_keys)
+            .bind(&claim_digests)
+            .fetch_all(&mut *transaction)
+            .await
+            .map_err(|source| classify_transient(source, "claim"))?;
+        new_keys.extend(inserted);
+    }
+    let mut applied = 0;
+    for &index in &order {
+        let plan = plans[index];
+        if items[index].is_some() {
+            continue;
+        }
+        let claimed = bulk(plan);
+        if claimed && !new_keys.contains(plan.key) {
+            items[index] = Some(Ok(ClaimOutcome::Duplicate));
+            continue;
+        }
+        match apply_steps(&mut transaction, plan, claimed).await {
+            Ok(outcome) => {
+                if outcome == ClaimOutcome::Applied {
+                    applied += 1;
+                }
+                // Duplicate (natural) and stale changed nothing: no undo needed.
+                items[index] = Some(Ok(outcome));
+            }
+            Err(LedgerError::Effect { .. }) => {
+                transaction
+                    .rollback()
+                    .await
+                    .map_err(|source| LedgerError::Transient { source })?;
+                return Ok(None);
+            }
+            Err(transient) => return Err(transient),
+        }
+    }
+    finish_batch(transaction, applied).await?;
+    Ok(Some(
+        items
+            .into_iter()
+            .map(|item| item.unwrap_or(Ok(ClaimOutcome::Duplicate)))
+            .collect(),
+    ))
+}
+
+/// Commits a batch that applied something; rolls back one that did not.
+async fn finish_batch(
+    transaction: Transaction<'static, Postgres>,
+    applied: usize,
+) -> Result<(), LedgerError> {
+    if applied == 0 {
+        transaction
+            .rollback()
+            .await
+            .map_err(|source| LedgerError::Transient { source })
+    } else {
+        Failpoint::BeforeCommit.hit();
+        transaction
+            .commit()
+            .await
+            .map_err(|source| classify(source, "commit"))
+    }
+}
+
+/// The isolating path: a savepoint per message, so a failing message rolls back alone.
+async fn apply_batch_isolating(
     pool: &PgPool,
     isolation: Isolation,
     plans: &[&Plan<'_>],
@@ -218,7 +348,7 @@ pub async fn apply_batch(
             .await
             .map_err(|source| classify_transient(source, "savepoint"))?;
         savepoint_open = true;
-        let item = match apply_steps(&mut transaction, plan).await {
+        let item = match apply_steps(&mut transaction, plan, false).await {
             Ok(ClaimOutcome::Applied) => {
                 applied += 1;
                 Ok(ClaimOutcome::Applied)
@@ -235,18 +365,7 @@ pub async fn apply_batch(
         };
         items[index] = Some(item);
     }
-    if applied == 0 {
-        transaction
-            .rollback()
-            .await
-            .map_err(|source| LedgerError::Transient { source })?;
-    } else {
-        Failpoint::BeforeCommit.hit();
-        transaction
-            .commit()
-            .await
-            .map_err(|source| classify(source, "commit"))?;
-    }
+    finish_batch(transaction, applied).await?;
     Ok(items
         .into_iter()
         .map(|item| item.unwrap_or(Ok(ClaimOutcome::Duplicate)))
@@ -283,17 +402,19 @@ async fn begin(
     Ok(transaction)
 }
 
-/// The claim, then (if new) the role, the effects and the outbox rows, inside an open
-/// transaction. A duplicate or stale outcome leaves changes for the caller to undo.
+/// The claim (unless `claimed`: taken in bulk already), then (if new) the role, the effects
+/// and the outbox rows, inside an open transaction. A duplicate or stale outcome leaves changes for the caller to undo.
 async fn apply_steps(
     transaction: &mut Transaction<'_, Postgres>,
     plan: &Plan<'_>,
+    claimed: bool,
 ) -> Result<ClaimOutcome, LedgerError> {
     if let ClaimStrategy::Ledger {
         consumer,
         plugin_digest,
         partitioned,
     } = plan.claim
+        && !claimed
     {
         if partitioned {
             sqlx::query(PARTITIONED_LOCK_SQL)
