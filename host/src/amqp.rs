@@ -329,19 +329,6 @@ impl Receipt {
         }
     }
 
-    /// Acks this delivery and every earlier one on its channel (`multiple`): one frame for a
-    /// whole batch. Only for a caller that knows no earlier delivery is still unsettled.
-    pub async fn ack_up_to(&self) -> bool {
-        let options = BasicAckOptions { multiple: true };
-        match self.acker.ack(options).await {
-            Ok(acked) => acked,
-            Err(error) => {
-                tracing::debug!(%error, delivery_tag = self.delivery_tag, "Multiple ack failed.");
-                false
-            }
-        }
-    }
-
     /// Returns the delivery to its queue.
     pub async fn requeue(&self) -> bool {
         let options = BasicNackOptions {

@@ -282,7 +282,6 @@ async fn serve(
 ) -> Result<(), AmqpError> {
     let workers = Arc::new(Semaphore::new(pipeline.config.workers.get()));
     let batch_size = pipeline.config.batch.size.get();
-    let unsettled = Arc::new(Unsettled::default());
     let mut in_flight = JoinSet::new();
     let lost = |reason: String| AmqpError::ConsumerLost {
         queue: pipeline.config.queue.clone(),
@@ -334,13 +333,11 @@ async fn serve(
             .into_iter()
             .map(|delivery| amqp::receive(&pipeline.config.name, delivery))
             .collect();
-        unsettled.add(received.iter().map(|(_, receipt)| receipt.delivery_tag));
         let pipeline = Arc::clone(pipeline);
         let channel = session.channel.clone();
         let shutdown = shutdown.clone();
-        let unsettled = Arc::clone(&unsettled);
         in_flight.spawn(async move {
-            settle_batch(&pipeline, &channel, received, &unsettled, &shutdown).await;
+            settle_batch(&pipeline, &channel, received, &shutdown).await;
             drop(permit);
         });
         if let Some(error) = gathering_ended {
@@ -355,51 +352,12 @@ async fn serve(
     ended
 }
 
-/// Delivery tags received on the session's channel and not yet settled: a batch may ack
-/// with one `multiple` ack only when no earlier delivery of another batch is still open.
-#[derive(Default)]
-struct Unsettled(Mutex<std::collections::BTreeSet<u64>>);
-
-impl Unsettled {
-    fn add(&self, tags: impl Iterator<Item = u64>) {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend(tags);
-    }
-
-    fn remove(&self, tag: u64) {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&tag);
-    }
-
-    /// Removes `tags` and says whether they are exactly the open tags up to their maximum.
-    fn take_if_prefix(&self, tags: &[u64]) -> bool {
-        let Some(&highest) = tags.iter().max() else {
-            return false;
-        };
-        let mut open = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let prefix = open.range(..=highest).count() == tags.len()
-            && tags.iter().all(|tag| open.contains(tag));
-        if prefix {
-            for tag in tags {
-                open.remove(tag);
-            }
-        }
-        prefix
-    }
-}
-
 /// Decides the fate of a batch of deliveries (one transaction), then tells the broker:
-/// rejections, retries and requeues one by one, acks with one `multiple` ack where the
-/// tags allow.
+/// rejections, retries and requeues first, then the acks.
 async fn settle_batch(
     pipeline: &Pipeline,
     channel: &Channel,
     received: Vec<(InboundMessage, Receipt)>,
-    unsettled: &Unsettled,
     shutdown: &CancellationToken,
 ) {
     let received_at = Instant::now();
@@ -421,33 +379,15 @@ async fn settle_batch(
             continue;
         }
         let done = tell_broker(pipeline, channel, message, receipt, disposition, shutdown).await;
-        unsettled.remove(receipt.delivery_tag);
         report(pipeline, receipt, outcome, done, received_at);
     }
-    let tags: Vec<u64> = acks
-        .iter()
-        .map(|(receipt, _)| receipt.delivery_tag)
-        .collect();
-    if acks.len() > 1 && unsettled.take_if_prefix(&tags) {
-        let highest = acks
-            .iter()
-            .max_by_key(|(receipt, _)| receipt.delivery_tag)
-            .map(|(receipt, _)| *receipt);
-        let done = match highest {
-            Some(receipt) => receipt.ack_up_to().await,
-            None => true,
-        };
+    // One ack per delivery. A `multiple` ack over a batch saved little (acks are not waited
+    // for), and racing other batches' acks on the channel it acked a tag twice once, which
+    // RabbitMQ answers by closing the channel (PRECONDITION_FAILED, unknown delivery tag).
+    for (receipt, outcome) in &acks {
+        let done = receipt.ack().await;
         Failpoint::AfterAck.hit();
-        for (receipt, outcome) in &acks {
-            report(pipeline, receipt, outcome, done, received_at);
-        }
-    } else {
-        for (receipt, outcome) in &acks {
-            let done = receipt.ack().await;
-            Failpoint::AfterAck.hit();
-            unsettled.remove(receipt.delivery_tag);
-            report(pipeline, receipt, outcome, done, received_at);
-        }
+        report(pipeline, receipt, outcome, done, received_at);
     }
 }
 
