@@ -28,15 +28,6 @@ fn config(database_url: &str) -> Config {
     Config::from_toml(&root.join("pipelines.toml"), &text).expect("pipelines.toml is valid")
 }
 
-fn body(order_id: i64) -> Vec<u8> {
-    format!(
-        r#"{{"type": "OrderCompleted", "order_id": {order_id}, "customer_id": {}, "total_cents": {}}}"#,
-        order_id % 97,
-        1000 + order_id * 7 % 9000
-    )
-    .into_bytes()
-}
-
 fn host_overhead(criterion: &mut Criterion) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -77,7 +68,7 @@ fn host_overhead(criterion: &mut Criterion) {
         .expect("loyalty plugin (scripts/build-plugins.sh)");
     let message = InboundMessage {
         pipeline: pipeline.name.clone(),
-        body: body(9912),
+        body: idem_bench::order_body(9912),
         ..InboundMessage::default()
     };
     let Ok(Outcome::Decision(decision)) =
@@ -93,7 +84,7 @@ fn host_overhead(criterion: &mut Criterion) {
             bench.iter(|| {
                 black_box(InboundMessage {
                     pipeline: pipeline.name.clone(),
-                    body: black_box(body(9912)),
+                    body: black_box(idem_bench::order_body(9912)),
                     headers: vec![("x-idem-attempt".into(), "1".into())],
                     routing_key: pipeline.queue.clone(),
                     ..InboundMessage::default()
@@ -130,7 +121,7 @@ fn host_overhead(criterion: &mut Criterion) {
         bench.iter(|| {
             let message = InboundMessage {
                 pipeline: pipeline.name.clone(),
-                body: black_box(body(9912)),
+                body: black_box(idem_bench::order_body(9912)),
                 ..InboundMessage::default()
             };
             let Ok(Outcome::Decision(decision)) =

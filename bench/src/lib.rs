@@ -31,3 +31,14 @@ impl Percentiles {
 pub fn micros(duration: Duration) -> String {
     format!("{:.1} µs", duration.as_secs_f64() * 1e6)
 }
+
+/// The body of `OrderCompleted` number `order_id`, the loyalty plugin's input in every
+/// benchmark (customers and totals vary with the id).
+pub fn order_body(order_id: i64) -> Vec<u8> {
+    format!(
+        r#"{{"type": "OrderCompleted", "order_id": {order_id}, "customer_id": {}, "total_cents": {}}}"#,
+        order_id % 97,
+        1000 + order_id * 7 % 9000
+    )
+    .into_bytes()
+}

@@ -546,33 +546,23 @@ pub async fn queue_ready(channel: &Channel, queue: &str) -> u32 {
 
 /// Deliveries of `queue` that a consumer holds unacked, from `rabbitmqctl` (AMQP cannot tell).
 pub fn unacked(queue: &str) -> u64 {
-    let output = Command::new("rabbitmqctl")
-        .args([
-            "list_queues",
-            "--quiet",
-            "--no-table-headers",
-            "name",
-            "messages_unacknowledged",
-        ])
-        .output()
-        .expect("rabbitmqctl runs (it ships with rabbitmq-server)");
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|line| line.split_once('\t'))
-        .find(|(name, _)| *name == queue)
-        .and_then(|(_, count)| count.trim().parse().ok())
-        .unwrap_or(0)
+    queue_figure(queue, "messages_unacknowledged")
 }
 
 /// Consumers subscribed to `queue`, as the broker sees them.
 pub fn consumers(queue: &str) -> u64 {
+    queue_figure(queue, "consumers")
+}
+
+/// One `rabbitmqctl list_queues` column of `queue`; 0 if the queue does not exist.
+fn queue_figure(queue: &str, column: &str) -> u64 {
     let output = Command::new("rabbitmqctl")
         .args([
             "list_queues",
             "--quiet",
             "--no-table-headers",
             "name",
-            "consumers",
+            column,
         ])
         .output()
         .expect("rabbitmqctl runs (it ships with rabbitmq-server)");

@@ -15,15 +15,6 @@ use idem_host::plugin::PluginRuntime;
 const WARMUP: usize = 1_000;
 const MESSAGES: usize = 20_000;
 
-fn body(order_id: i64) -> Vec<u8> {
-    format!(
-        r#"{{"type": "OrderCompleted", "order_id": {order_id}, "customer_id": {}, "total_cents": {}}}"#,
-        order_id % 97,
-        1000 + order_id * 7 % 9000
-    )
-    .into_bytes()
-}
-
 /// The loyalty plugin's logic, natively: the floor of what any sandbox can cost.
 fn native_decision(body: &[u8]) -> Option<Outcome> {
     let event: serde_json::Value = serde_json::from_slice(body).ok()?;
@@ -78,7 +69,7 @@ async fn main() {
     let messages: Vec<InboundMessage> = (0..(WARMUP + MESSAGES) as i64)
         .map(|order_id| InboundMessage {
             pipeline: "loyalty".into(),
-            body: body(order_id),
+            body: idem_bench::order_body(order_id),
             ..InboundMessage::default()
         })
         .collect();
