@@ -381,9 +381,11 @@ async fn settle_batch(
         let done = tell_broker(pipeline, channel, message, receipt, disposition, shutdown).await;
         report(pipeline, receipt, outcome, done, received_at);
     }
-    // One ack per delivery. A `multiple` ack over a batch saved little (acks are not waited
-    // for), and racing other batches' acks on the channel it acked a tag twice once, which
-    // RabbitMQ answers by closing the channel (PRECONDITION_FAILED, unknown delivery tag).
+    // One ack per delivery. A `multiple` ack per batch saved little (acks are not waited
+    // for) and raced: a later batch's multiple ack could be written before an earlier
+    // batch's, acking its tags first, and RabbitMQ closes the channel on the earlier one
+    // (PRECONDITION_FAILED, unknown delivery tag). Doing it safely needs every ack of the
+    // channel to go out in tag order from one place.
     for (receipt, outcome) in &acks {
         let done = receipt.ack().await;
         Failpoint::AfterAck.hit();
