@@ -364,9 +364,9 @@ async fn settle_batch(
     let dispositions = if let [(message, receipt)] = &received[..] {
         vec![process::handle_delivery(pipeline, message, receipt.attempt, shutdown).await]
     } else {
-        let inputs: Vec<(InboundMessage, u32)> = received
+        let inputs: Vec<(&InboundMessage, u32)> = received
             .iter()
-            .map(|(message, receipt)| (message.clone(), receipt.attempt))
+            .map(|(message, receipt)| (message, receipt.attempt))
             .collect();
         process::handle_batch(pipeline, &inputs, shutdown).await
     };

@@ -133,7 +133,7 @@ async fn apply_one(
 /// in order.
 pub async fn handle_batch(
     pipeline: &Pipeline,
-    messages: &[(InboundMessage, u32)],
+    messages: &[(&InboundMessage, u32)],
     shutdown: &CancellationToken,
 ) -> Vec<Disposition> {
     let span = tracing::debug_span!(

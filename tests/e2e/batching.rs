@@ -28,6 +28,14 @@ fn batch_of(orders: &[(i64, i64, i64)]) -> Vec<(InboundMessage, u32)> {
         .collect()
 }
 
+/// The batch as `handle_batch` takes it: the deliveries are borrowed, not copied.
+fn borrowed(batch: &[(InboundMessage, u32)]) -> Vec<(&InboundMessage, u32)> {
+    batch
+        .iter()
+        .map(|(message, attempt)| (message, *attempt))
+        .collect()
+}
+
 /// Customer 13's credit divides by zero: an SQL error in the middle of a batch.
 const FAILS_FOR_CUSTOMER_13: &str = r#"
 [pipelines.loyalty.batch]
@@ -59,7 +67,7 @@ async fn a_failing_message_rolls_back_to_its_savepoint_and_the_rest_commit() {
         (5, 14, 100),
     ]);
 
-    let dispositions = handle_batch(&pipeline, &batch, &CancellationToken::new()).await;
+    let dispositions = handle_batch(&pipeline, &borrowed(&batch), &CancellationToken::new()).await;
 
     for (index, disposition) in dispositions.iter().enumerate() {
         if index == 2 {
@@ -104,7 +112,7 @@ async fn duplicates_inside_one_batch_apply_once() {
         (9, 3, 500),
     ]);
 
-    let dispositions = handle_batch(&pipeline, &batch, &CancellationToken::new()).await;
+    let dispositions = handle_batch(&pipeline, &borrowed(&batch), &CancellationToken::new()).await;
 
     let applied = Disposition::Ack(Settled::Applied);
     let duplicate = Disposition::Ack(Settled::Duplicate);
@@ -119,7 +127,7 @@ async fn duplicates_inside_one_batch_apply_once() {
         ]
     );
     // A repeat of the whole batch is all duplicates.
-    let again = handle_batch(&pipeline, &batch, &CancellationToken::new()).await;
+    let again = handle_batch(&pipeline, &borrowed(&batch), &CancellationToken::new()).await;
     assert!(
         again
             .iter()
@@ -163,16 +171,16 @@ async fn two_hosts_with_overlapping_keys_do_not_deadlock() {
         let first = {
             let pipeline = Arc::clone(&pipeline);
             let batch = batch_of(&shift(&forward));
-            tokio::spawn(
-                async move { handle_batch(&pipeline, &batch, &CancellationToken::new()).await },
-            )
+            tokio::spawn(async move {
+                handle_batch(&pipeline, &borrowed(&batch), &CancellationToken::new()).await
+            })
         };
         let second = {
             let pipeline = Arc::clone(&other_host);
             let batch = batch_of(&shift(&backward));
-            tokio::spawn(
-                async move { handle_batch(&pipeline, &batch, &CancellationToken::new()).await },
-            )
+            tokio::spawn(async move {
+                handle_batch(&pipeline, &borrowed(&batch), &CancellationToken::new()).await
+            })
         };
         let mut all = first.await.expect("first worker");
         all.extend(second.await.expect("second worker"));
