@@ -221,8 +221,27 @@ pub async fn replay(
             queue: pipeline.queue.clone(),
             source,
         })?;
+    // One pass over what is there now: a message that fails again during the replay goes
+    // back to the dead-letter queue and must not be replayed again by this run.
+    let waiting = channel
+        .queue_declare(
+            ShortString::from(pipeline.dead_letter_queue.as_str()),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|source| AmqpError::Topology {
+            action: "inspect",
+            queue: pipeline.dead_letter_queue.clone(),
+            source,
+        })?
+        .message_count();
+    let limit = limit.map_or(u64::from(waiting), |limit| limit.min(u64::from(waiting)));
     let mut moved = 0;
-    while limit.is_none_or(|limit| moved < limit) {
+    while moved < limit {
         let got = channel
             .basic_get(
                 ShortString::from(pipeline.dead_letter_queue.as_str()),
@@ -405,6 +424,9 @@ impl Receipt {
             .clone()
             .with_headers(headers)
             .with_delivery_mode(PERSISTENT);
+        // One mandatory copy in flight at a time: a returned (unroutable) message then
+        // belongs to the one publish awaiting its confirm, never to another worker's.
+        let _one_copy_at_a_time = COPY_PUBLISH.lock().await;
         let confirm = channel
             .basic_publish(
                 ShortString::from(""),
@@ -434,6 +456,10 @@ impl Receipt {
         }
     }
 }
+
+/// Serialises copies (dead letters, retries, replays), so each confirm is matched with its
+/// own returned message. Copies are rare next to acks; the wait costs nothing measurable.
+static COPY_PUBLISH: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn header_integer(properties: &BasicProperties, name: &str) -> Option<i64> {
     let value = properties.headers().as_ref()?.inner().get(name)?;

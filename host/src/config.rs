@@ -38,6 +38,16 @@ pub struct DatabaseConfig {
     /// Upper bound of the connection pool shared by all pipelines.
     #[serde(default = "default_max_connections")]
     pub max_connections: NonZeroU32,
+    /// The server ends a host session left idle inside a transaction this long
+    /// (`idle_in_transaction_session_timeout`), releasing its claim locks: a host that died or
+    /// lost its connection mid-transaction cannot hold a key. Default 30 s.
+    #[serde(default = "default_idle_in_transaction", deserialize_with = "duration")]
+    pub idle_in_transaction_timeout: Duration,
+    /// The server probes a silent client connection after this long (TCP keepalive, then
+    /// `tcp_user_timeout` for unacknowledged data), so a vanished host's session ends.
+    /// Default 30 s.
+    #[serde(default = "default_keepalive", deserialize_with = "duration")]
+    pub keepalive: Duration,
 }
 
 /// The `[amqp]` table.
@@ -157,6 +167,19 @@ pub struct TransactionConfig {
     /// A Postgres role the effects run as (`SET LOCAL ROLE`); the claim runs as the host.
     #[serde(default, deserialize_with = "interpolated_option")]
     pub role: Option<String>,
+    /// The server cancels any one statement of the transaction after this long
+    /// (`SET LOCAL statement_timeout`; 57014, retried). Default 15 s; `0s` turns it off.
+    #[serde(default = "default_statement_timeout", deserialize_with = "duration")]
+    pub statement_timeout: Duration,
+    /// The server gives up waiting for a lock after this long (`SET LOCAL lock_timeout`;
+    /// 55P03, retried). Default 5 s; `0s` turns it off.
+    #[serde(default = "default_lock_timeout", deserialize_with = "duration")]
+    pub lock_timeout: Duration,
+    /// The host's deadline for the whole transaction, from taking a connection to `COMMIT`'s
+    /// answer. Past it the connection is abandoned (closed, never reused) and the transaction
+    /// retried on a new one: this is what notices a half-open connection. Default 30 s.
+    #[serde(default = "default_transaction_timeout", deserialize_with = "duration")]
+    pub timeout: Duration,
 }
 
 impl Default for TransactionConfig {
@@ -165,7 +188,23 @@ impl Default for TransactionConfig {
             isolation: Isolation::default(),
             retries: default_retries(),
             role: None,
+            statement_timeout: default_statement_timeout(),
+            lock_timeout: default_lock_timeout(),
+            timeout: default_transaction_timeout(),
         }
+    }
+}
+
+impl TransactionConfig {
+    /// The statement that opens the transaction: isolation and server-side timeouts in one
+    /// round trip.
+    pub fn begin_sql(&self) -> String {
+        format!(
+            "BEGIN ISOLATION LEVEL {}; SET LOCAL statement_timeout = {}; SET LOCAL lock_timeout = {}",
+            self.isolation.sql(),
+            self.statement_timeout.as_millis(),
+            self.lock_timeout.as_millis()
+        )
     }
 }
 
@@ -406,6 +445,12 @@ impl Config {
                     "pipelines.{name}.dead_letter_queue: must differ from the queue {queue:?}"
                 )));
             }
+            if raw.transaction.timeout < Duration::from_secs(1) {
+                return Err(invalid(format!(
+                    "pipelines.{name}.transaction.timeout: {:?} is too short; the host's deadline for a transaction must be at least 1s",
+                    raw.transaction.timeout
+                )));
+            }
             pipelines.push(PipelineConfig {
                 consumer: raw.consumer.unwrap_or_else(|| name.clone()),
                 plugin: base_dir.join(raw.plugin),
@@ -599,6 +644,26 @@ fn default_linger() -> Duration {
     Duration::ZERO
 }
 
+fn default_statement_timeout() -> Duration {
+    Duration::from_secs(15)
+}
+
+fn default_lock_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+
+fn default_transaction_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn default_idle_in_transaction() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn default_keepalive() -> Duration {
+    Duration::from_secs(30)
+}
+
 fn default_retries() -> u32 {
     10
 }
@@ -653,13 +718,32 @@ fn default_max_effects() -> NonZeroUsize {
 
 /// A service URL without its credentials, for logs and errors.
 pub fn redact_url(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => {
-            let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-            format!("{scheme}://{host}")
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    // As URL parsers read it: the authority ends at the first '/', '?' or '#', and its last
+    // '@' ends the user information.
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let query: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((key, _)) if key.to_ascii_lowercase().contains("pass") => {
+                        format!("{key}=redacted")
+                    }
+                    _ => pair.to_string(),
+                })
+                .collect();
+            format!("{path}?{}", query.join("&"))
         }
-        None => url.to_string(),
-    }
+        None => tail.to_string(),
+    };
+    format!("{scheme}://{host}{tail}")
 }
 
 /// Parses `30d`, `12h`, `90m`, `45s` or `250ms`.
@@ -772,6 +856,14 @@ mod tests {
         check_redact("amqp://127.0.0.1", "amqp://127.0.0.1");
         check_redact("postgres://u:p@w@host/db", "postgres://host/db");
         check_redact("not a url", "not a url");
+        check_redact(
+            "postgres://host/db?user=u&password=secret&sslmode=require",
+            "postgres://host/db?user=u&password=redacted&sslmode=require",
+        );
+        check_redact(
+            "postgres://u@host/db?sslpassword=a@b",
+            "postgres://host/db?sslpassword=redacted",
+        );
     }
 
     #[track_caller]

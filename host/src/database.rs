@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::backoff::Backoff;
-use crate::config::{DatabaseConfig, redact_url};
+use crate::config::{DatabaseConfig, PipelineConfig, redact_url};
 
 /// The host's own tables (`processed_messages`), embedded at build time.
 pub static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
@@ -25,6 +25,11 @@ pub enum DatabaseError {
     Migrate {
         endpoint: String,
         source: MigrateError,
+    },
+    #[error("cannot record the consumers' retention windows at {endpoint}: {source}")]
+    Consumers {
+        endpoint: String,
+        source: sqlx::Error,
     },
     #[error(
         "idem's tables are missing or out of date at {endpoint} ({source}); run `idem migrate --config <file>` first"
@@ -46,12 +51,31 @@ pub async fn connect_once(config: &DatabaseConfig) -> Result<PgPool, DatabaseErr
         // Visible in pg_stat_activity, so an operator can tell idem's sessions apart.
         options = options.application_name("idem");
     }
+    options = options.options(session_settings(config));
     PgPoolOptions::new()
         .max_connections(config.max_connections.get())
         .acquire_timeout(Duration::from_secs(5))
         .connect_with(options)
         .await
         .map_err(connect_error)
+}
+
+/// Server settings of every host session, sent at connect: the server ends a session left
+/// idle inside a transaction (so a vanished host's claim locks are released) and probes a
+/// silent client with TCP keepalives, so a half-open connection does not live on.
+fn session_settings(config: &DatabaseConfig) -> Vec<(&'static str, String)> {
+    let keepalive = config.keepalive.as_secs().max(1);
+    vec![
+        (
+            "idle_in_transaction_session_timeout",
+            config.idle_in_transaction_timeout.as_millis().to_string(),
+        ),
+        ("tcp_keepalives_idle", keepalive.to_string()),
+        ("tcp_keepalives_interval", keepalive.div_ceil(3).to_string()),
+        ("tcp_keepalives_count", "3".to_string()),
+        // Unacknowledged data to a vanished client is given up after twice the keepalive.
+        ("tcp_user_timeout", (keepalive * 2000).to_string()),
+    ]
 }
 
 /// Builds the pool, retrying with backoff while PostgreSQL is unreachable.
@@ -87,6 +111,23 @@ pub async fn migrate(pool: &PgPool, config: &DatabaseConfig) -> Result<(), Datab
         })
 }
 
+/// Records the retention window of every pipeline's consumer (see `retention::record_windows`).
+pub async fn record_consumers(
+    pool: &PgPool,
+    config: &DatabaseConfig,
+    pipelines: &[PipelineConfig],
+) -> Result<(), DatabaseError> {
+    let windows = pipelines
+        .iter()
+        .map(|pipeline| (pipeline.consumer.as_str(), pipeline.retention.window));
+    crate::retention::record_windows(pool, windows)
+        .await
+        .map_err(|source| DatabaseError::Consumers {
+            endpoint: redact_url(&config.url),
+            source,
+        })
+}
+
 /// Fails unless the host's tables (claims, and the outbox when `outbox` is configured) exist
 /// and are usable: a missing table must stop start-up, not dead-letter every message.
 pub async fn check_schema(
@@ -96,6 +137,7 @@ pub async fn check_schema(
 ) -> Result<(), DatabaseError> {
     let mut probes = vec![
         "SELECT consumer, message_key, processed_at, plugin_digest FROM processed_messages LIMIT 0",
+        "SELECT consumer, retention_window, recorded_at FROM idem_consumers LIMIT 0",
     ];
     if outbox {
         probes.push(

@@ -117,6 +117,45 @@ impl Decision {
     }
 }
 
+impl Decision {
+    /// Where the decision carries a NUL character, which PostgreSQL refuses in text (22021):
+    /// the key, a text or JSON parameter, or an outbox field. `None` when there is none.
+    pub fn nul_position(&self) -> Option<String> {
+        let has_nul = |text: &str| text.contains('\0');
+        if has_nul(&self.key) {
+            return Some("the idempotency key".to_string());
+        }
+        for (position, effect) in self.effects.iter().enumerate() {
+            match effect {
+                Effect::Exec { statement, params } => {
+                    let nul_param = params.iter().position(|value| {
+                        matches!(value, Value::Text(text) | Value::Json(text) if has_nul(text))
+                    });
+                    if let Some(param) = nul_param {
+                        return Some(format!(
+                            "effect {position} ({statement:?}), parameter ${}",
+                            param + 1
+                        ));
+                    }
+                }
+                Effect::Outbox(message) => {
+                    let in_headers = message
+                        .headers
+                        .iter()
+                        .any(|(name, value)| has_nul(name) || has_nul(value));
+                    if has_nul(&message.destination)
+                        || in_headers
+                        || message.key.as_deref().is_some_and(has_nul)
+                    {
+                        return Some(format!("effect {position} (outbox)"));
+                    }
+                }
+            }
+        }
+        None
+    }
+}
+
 impl FailureKind {
     pub fn as_str(self) -> &'static str {
         match self {

@@ -88,11 +88,22 @@ async fn require_token(State(state): State<AppState>, request: Request, next: Ne
             .get(header::AUTHORIZATION)
             .and_then(|value| value.to_str().ok())
             .and_then(|value| value.strip_prefix("Bearer "));
-        if presented != Some(token.as_ref()) {
+        if !presented.is_some_and(|presented| same_secret(presented, token)) {
             return (StatusCode::UNAUTHORIZED, "admin token required\n").into_response();
         }
     }
     next.run(request).await
+}
+
+/// Compares a presented token with the configured one in time that depends only on their
+/// lengths, so response timing does not reveal how much of a guess was right.
+fn same_secret(presented: &str, expected: &str) -> bool {
+    let (presented, expected) = (presented.as_bytes(), expected.as_bytes());
+    let mut difference = u8::from(presented.len() != expected.len());
+    for (index, expected_byte) in expected.iter().enumerate() {
+        difference |= expected_byte ^ presented.get(index).copied().unwrap_or(!expected_byte);
+    }
+    difference == 0
 }
 
 async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
@@ -119,6 +130,9 @@ async fn ready(State(state): State<AppState>) -> impl IntoResponse {
         Err(_) => problems.push("database: no answer within 2 s".to_string()),
     }
     for pipeline in state.pipelines.iter() {
+        if let Some(paused) = pipeline.paused() {
+            problems.push(format!("pipeline {:?}: {paused}", pipeline.name()));
+        }
         if !pipeline.consuming.load(Ordering::Relaxed) {
             problems.push(format!(
                 "pipeline {:?}: not consuming {:?}",
@@ -153,6 +167,11 @@ async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
                 "queue": pipeline.config.queue,
                 "dead_letter_queue": pipeline.config.dead_letter_queue,
                 "consuming": pipeline.consuming.load(Ordering::Relaxed),
+                "paused": pipeline.paused().map(|paused| json!({
+                    "statement": paused.statement,
+                    "sqlstate": paused.sqlstate,
+                    "reason": paused.reason,
+                })),
                 "plugin": {
                     "path": plugin.path.display().to_string(),
                     "digest": plugin.digest,
@@ -199,4 +218,18 @@ async fn reload_pipeline(
 fn unix_seconds(time: SystemTime) -> f64 {
     time.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0.0, |elapsed| elapsed.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_secret;
+
+    #[test]
+    fn token_comparison() {
+        assert!(same_secret("s3cret", "s3cret"));
+        assert!(!same_secret("s3cre", "s3cret"));
+        assert!(!same_secret("s3cretX", "s3cret"));
+        assert!(!same_secret("S3cret", "s3cret"));
+        assert!(!same_secret("", "s3cret"));
+    }
 }

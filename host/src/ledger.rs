@@ -5,12 +5,15 @@
 //! Claim strategies: `ledger` (a `processed_messages` row), `natural` (the first effect's
 //! unique key decides), `none` (idempotent effects; nothing changed means stale).
 
-use sqlx::error::ErrorKind;
-use sqlx::{PgPool, Postgres, Transaction};
+use std::time::Duration;
 
-use crate::config::{ClaimMode, Isolation, PipelineConfig};
+use sqlx::pool::PoolConnection;
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
+
+use crate::config::{ClaimMode, PipelineConfig, TransactionConfig};
 use crate::effect::{Decision, Effect};
 use crate::failpoint::Failpoint;
+use crate::fault::{self, Fault, Origin};
 use crate::outbox::{self, OutboxError, OutboxRow};
 use crate::statement::{BoundEffect, EffectError, StatementCatalog};
 
@@ -31,18 +34,41 @@ pub enum ClaimOutcome {
     Stale,
 }
 
+/// Why a transaction did not finish. Which variant an error becomes is decided in one place,
+/// `fault::classify`.
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
-    /// The database is unreachable, restarting, or asked us to retry (40001, 40P01):
-    /// nothing was committed, and the same message may be tried again.
+    /// The database is unreachable, read-only, restarting, cancelled us or asked us to retry
+    /// (40001, 40P01): nothing was committed, and the same message may be tried again.
     #[error("database unavailable: {source}")]
     Transient { source: sqlx::Error },
-    /// An effect failed in SQL (constraint, data, permission): the claim rolled back with it.
+    /// The host's deadline for the transaction passed (a half-open connection, a hung
+    /// server): the connection was abandoned; nothing was committed that the claim would not
+    /// recognise.
+    #[error("the transaction did not finish within {timeout:?}; its connection was abandoned")]
+    Deadline { timeout: Duration },
+    /// An effect failed for its message's data (SQLSTATE 22, 23 …): the claim rolled back
+    /// with it.
     #[error("statement {statement:?} failed: {source}")]
     Effect {
         statement: String,
         source: sqlx::Error,
     },
+    /// A statement failed because the configuration or schema is wrong (undefined table,
+    /// permission denied): no message can succeed until the operator fixes it.
+    #[error("statement {statement:?} failed: {source}")]
+    Config {
+        statement: String,
+        source: sqlx::Error,
+    },
+}
+
+impl LedgerError {
+    /// Retried (transient, past the deadline, or a configuration fault that pauses the
+    /// pipeline) rather than settling the message.
+    pub fn is_retried(&self) -> bool {
+        !matches!(self, LedgerError::Effect { .. })
+    }
 }
 
 /// Partition mode's claim (see `partition`): under a transaction-scoped advisory lock on the
@@ -71,13 +97,25 @@ pub enum ClaimStrategy<'a> {
     None,
 }
 
+impl ClaimStrategy<'_> {
+    /// A claim the batch fast path takes in one statement for every message.
+    fn is_bulk(&self) -> bool {
+        matches!(
+            self,
+            ClaimStrategy::Ledger {
+                partitioned: false,
+                ..
+            }
+        )
+    }
+}
+
 /// Everything one message's transaction does, checked before it opens.
 #[derive(Debug)]
 pub struct Plan<'a> {
     /// The decision's idempotency key.
     pub key: &'a str,
     pub claim: ClaimStrategy<'a>,
-    pub isolation: Isolation,
     /// The role the effects run as (`SET LOCAL ROLE`).
     pub role: Option<&'a str>,
     /// Statement calls in order; with a natural claim, the claim statement first.
@@ -153,7 +191,6 @@ impl<'a> Plan<'a> {
         Ok(Plan {
             key: &decision.key,
             claim,
-            isolation: config.transaction.isolation,
             role: config.transaction.role.as_deref(),
             effects,
             outbox,
@@ -163,21 +200,38 @@ impl<'a> Plan<'a> {
 }
 
 /// Runs `plan` in one transaction: the claim, and only if it is new, the effects and the
-/// outbox rows; then commit.
-pub async fn apply(pool: &PgPool, plan: &Plan<'_>) -> Result<ClaimOutcome, LedgerError> {
-    let transient = |source| LedgerError::Transient { source };
-    let mut transaction = begin(pool, plan.isolation).await?;
+/// outbox rows; then commit. The whole transaction is bounded by `settings.timeout`.
+pub async fn apply(
+    pool: &PgPool,
+    settings: &TransactionConfig,
+    plan: &Plan<'_>,
+) -> Result<ClaimOutcome, LedgerError> {
+    let mut connection = acquire(pool).await?;
+    let result =
+        tokio::time::timeout(settings.timeout, apply_on(&mut connection, settings, plan)).await;
+    release(connection, result, settings.timeout)
+}
+
+async fn apply_on(
+    connection: &mut PgConnection,
+    settings: &TransactionConfig,
+    plan: &Plan<'_>,
+) -> Result<ClaimOutcome, LedgerError> {
+    let mut transaction = begin(connection, settings).await?;
     let outcome = apply_steps(&mut transaction, plan, false).await?;
     if outcome != ClaimOutcome::Applied {
         // A duplicate or stale message commits nothing.
-        transaction.rollback().await.map_err(transient)?;
+        transaction
+            .rollback()
+            .await
+            .map_err(host_error("rollback"))?;
         return Ok(outcome);
     }
     Failpoint::BeforeCommit.hit();
     transaction
         .commit()
         .await
-        .map_err(|source| classify(source, "commit"))?;
+        .map_err(|source| classify(source, "commit", Origin::Effect))?;
     Ok(outcome)
 }
 
@@ -188,16 +242,55 @@ pub type BatchItem = Result<ClaimOutcome, LedgerError>;
 /// never deadlock on claims, and a key repeated within the batch is a duplicate without a
 /// round trip. If a message's effect fails, the batch is run again with a savepoint per
 /// message: that message rolls back to its savepoint (its item is `Err(LedgerError::Effect)`)
-/// and the others commit. A transient error fails the whole batch (`Err`), to be retried as
-/// a whole.
+/// and the others commit. A transient or configuration error fails the whole batch (`Err`),
+/// to be retried as a whole. Bounded by `settings.timeout`, like one message.
 pub async fn apply_batch(
     pool: &PgPool,
-    isolation: Isolation,
+    settings: &TransactionConfig,
     plans: &[&Plan<'_>],
 ) -> Result<Vec<BatchItem>, LedgerError> {
-    match apply_batch_optimistic(pool, isolation, plans).await? {
-        Some(items) => Ok(items),
-        None => apply_batch_isolating(pool, isolation, plans).await,
+    let mut connection = acquire(pool).await?;
+    let work = async {
+        // The fast path takes every claim in one statement; it applies only to unpartitioned
+        // ledger claims, whose duplicates are known before any effect writes. Natural and
+        // `none` claims learn it from the effects' rows, so they need a savepoint each to
+        // undo a duplicate's or a stale message's writes.
+        if plans.iter().all(|plan| plan.claim.is_bulk())
+            && let Some(items) = apply_batch_optimistic(&mut connection, settings, plans).await?
+        {
+            return Ok(items);
+        }
+        apply_batch_isolating(&mut connection, settings, plans).await
+    };
+    let result = tokio::time::timeout(settings.timeout, work).await;
+    release(connection, result, settings.timeout)
+}
+
+/// Takes a pooled connection for one transaction.
+async fn acquire(pool: &PgPool) -> Result<PoolConnection<Postgres>, LedgerError> {
+    pool.acquire()
+        .await
+        .map_err(|source| LedgerError::Transient { source })
+}
+
+/// Hands the connection back after a transaction, or abandons it: past the deadline (a
+/// half-open connection, a hung server) it is closed, never reused, and the next try opens a
+/// new one; after an outdated cached plan, a fresh connection plans anew.
+fn release<T>(
+    connection: PoolConnection<Postgres>,
+    result: Result<Result<T, LedgerError>, tokio::time::error::Elapsed>,
+    timeout: Duration,
+) -> Result<T, LedgerError> {
+    match result {
+        Err(_elapsed) => {
+            drop(connection.detach());
+            Err(LedgerError::Deadline { timeout })
+        }
+        Ok(Err(LedgerError::Transient { source })) if fault::is_stale_plan(&source) => {
+            drop(connection.detach());
+            Err(LedgerError::Transient { source })
+        }
+        Ok(result) => result,
     }
 }
 
@@ -209,26 +302,17 @@ const BULK_CLAIM_SQL: &str = "INSERT INTO processed_messages (consumer, message_
      ON CONFLICT DO NOTHING RETURNING message_key";
 
 /// The fast path: all ledger claims in one round trip, then each new message's effects with
-/// no savepoint. `Ok(None)` when an effect failed: everything was rolled back, and the caller
-/// isolates the failure with savepoints.
+/// no savepoint. `Ok(None)` when an effect failed for its message's sake: everything was
+/// rolled back, and the caller isolates the failure with savepoints.
 async fn apply_batch_optimistic(
-    pool: &PgPool,
-    isolation: Isolation,
+    connection: &mut PgConnection,
+    settings: &TransactionConfig,
     plans: &[&Plan<'_>],
 ) -> Result<Option<Vec<BatchItem>>, LedgerError> {
     let mut order: Vec<usize> = (0..plans.len()).collect();
     order.sort_by(|left, right| plans[*left].key.cmp(plans[*right].key));
     let mut items: Vec<Option<BatchItem>> = (0..plans.len()).map(|_| None).collect();
-    let mut transaction = begin(pool, isolation).await?;
-    let bulk = |plan: &Plan<'_>| {
-        matches!(
-            plan.claim,
-            ClaimStrategy::Ledger {
-                partitioned: false,
-                ..
-            }
-        )
-    };
+    let mut transaction = begin(connection, settings).await?;
     let mut claim_keys = Vec::new();
     let mut claim_digests = Vec::new();
     let mut consumer = "";
@@ -238,7 +322,7 @@ async fn apply_batch_optimistic(
         if let ClaimStrategy::Ledger {
             consumer: plan_consumer,
             plugin_digest,
-            partitioned: false,
+            ..
         } = plan.claim
         {
             if first_of_key.insert(plan.key) {
@@ -258,7 +342,7 @@ async fn apply_batch_optimistic(
             .bind(&claim_digests)
             .fetch_all(&mut *transaction)
             .await
-            .map_err(|source| classify_transient(source, "claim"))?;
+            .map_err(host_error("claim"))?;
         new_keys.extend(inserted);
     }
     let mut applied = 0;
@@ -267,27 +351,25 @@ async fn apply_batch_optimistic(
         if items[index].is_some() {
             continue;
         }
-        let claimed = bulk(plan);
-        if claimed && !new_keys.contains(plan.key) {
+        if !new_keys.contains(plan.key) {
             items[index] = Some(Ok(ClaimOutcome::Duplicate));
             continue;
         }
-        match apply_steps(&mut transaction, plan, claimed).await {
+        match apply_steps(&mut transaction, plan, true).await {
             Ok(outcome) => {
                 if outcome == ClaimOutcome::Applied {
                     applied += 1;
                 }
-                // Duplicate (natural) and stale changed nothing: no undo needed.
                 items[index] = Some(Ok(outcome));
             }
             Err(LedgerError::Effect { .. }) => {
                 transaction
                     .rollback()
                     .await
-                    .map_err(|source| LedgerError::Transient { source })?;
+                    .map_err(host_error("rollback"))?;
                 return Ok(None);
             }
-            Err(transient) => return Err(transient),
+            Err(other) => return Err(other),
         }
     }
     finish_batch(transaction, applied).await?;
@@ -301,33 +383,31 @@ async fn apply_batch_optimistic(
 
 /// Commits a batch that applied something; rolls back one that did not.
 async fn finish_batch(
-    transaction: Transaction<'static, Postgres>,
+    transaction: Transaction<'_, Postgres>,
     applied: usize,
 ) -> Result<(), LedgerError> {
     if applied == 0 {
-        transaction
-            .rollback()
-            .await
-            .map_err(|source| LedgerError::Transient { source })
+        transaction.rollback().await.map_err(host_error("rollback"))
     } else {
         Failpoint::BeforeCommit.hit();
         transaction
             .commit()
             .await
-            .map_err(|source| classify(source, "commit"))
+            .map_err(|source| classify(source, "commit", Origin::Effect))
     }
 }
 
-/// The isolating path: a savepoint per message, so a failing message rolls back alone.
+/// The isolating path: a savepoint per message, so a failing, duplicate or stale message
+/// rolls back alone.
 async fn apply_batch_isolating(
-    pool: &PgPool,
-    isolation: Isolation,
+    connection: &mut PgConnection,
+    settings: &TransactionConfig,
     plans: &[&Plan<'_>],
 ) -> Result<Vec<BatchItem>, LedgerError> {
     let mut order: Vec<usize> = (0..plans.len()).collect();
     order.sort_by(|left, right| plans[*left].key.cmp(plans[*right].key));
     let mut items: Vec<Option<BatchItem>> = (0..plans.len()).map(|_| None).collect();
-    let mut transaction = begin(pool, isolation).await?;
+    let mut transaction = begin(connection, settings).await?;
     let mut claimed_keys = std::collections::HashSet::new();
     let mut savepoint_open = false;
     let mut applied = 0;
@@ -346,7 +426,7 @@ async fn apply_batch_isolating(
         // A plain string runs as a simple query, so both statements go in one round trip.
         sqlx::Executor::execute(&mut *transaction, savepoint)
             .await
-            .map_err(|source| classify_transient(source, "savepoint"))?;
+            .map_err(host_error("savepoint"))?;
         savepoint_open = true;
         let item = match apply_steps(&mut transaction, plan, false).await {
             Ok(ClaimOutcome::Applied) => {
@@ -361,7 +441,7 @@ async fn apply_batch_isolating(
                 rollback_to_savepoint(&mut transaction).await?;
                 Err(error)
             }
-            Err(transient @ LedgerError::Transient { .. }) => return Err(transient),
+            Err(other) => return Err(other),
         };
         items[index] = Some(item);
     }
@@ -379,27 +459,18 @@ async fn rollback_to_savepoint(
         .execute(&mut **transaction)
         .await
         .map(drop)
-        .map_err(|source| classify_transient(source, "savepoint"))
+        .map_err(host_error("savepoint"))
 }
 
-async fn begin(
-    pool: &PgPool,
-    isolation: Isolation,
-) -> Result<Transaction<'static, Postgres>, LedgerError> {
-    let mut transaction = pool
-        .begin()
+/// Opens the transaction with its isolation and server-side timeouts, in one round trip.
+async fn begin<'c>(
+    connection: &'c mut PgConnection,
+    settings: &TransactionConfig,
+) -> Result<Transaction<'c, Postgres>, LedgerError> {
+    connection
+        .begin_with(settings.begin_sql())
         .await
-        .map_err(|source| LedgerError::Transient { source })?;
-    if isolation != Isolation::ReadCommitted {
-        sqlx::query(&format!(
-            "SET TRANSACTION ISOLATION LEVEL {}",
-            isolation.sql()
-        ))
-        .execute(&mut *transaction)
-        .await
-        .map_err(|source| classify(source, "isolation"))?;
-    }
-    Ok(transaction)
+        .map_err(host_error("begin"))
 }
 
 /// The claim (unless `claimed`: taken in bulk already), then (if new) the role, the effects
@@ -422,7 +493,7 @@ async fn apply_steps(
                 .bind(plan.key)
                 .execute(&mut **transaction)
                 .await
-                .map_err(|source| classify(source, "claim"))?;
+                .map_err(host_error("claim"))?;
         }
         let claimed = sqlx::query(if partitioned {
             PARTITIONED_CLAIM_SQL
@@ -434,7 +505,7 @@ async fn apply_steps(
         .bind(plugin_digest)
         .execute(&mut **transaction)
         .await
-        .map_err(|source| classify(source, "claim"))?
+        .map_err(host_error("claim"))?
         .rows_affected();
         if claimed == 0 {
             return Ok(ClaimOutcome::Duplicate);
@@ -444,17 +515,17 @@ async fn apply_steps(
         sqlx::query(&format!("SET LOCAL ROLE {}", quote_identifier(role)))
             .execute(&mut **transaction)
             .await
-            .map_err(|source| classify(source, "role"))?;
+            .map_err(host_error("role"))?;
     }
     let mut rows_changed = 0;
     for (position, effect) in plan.effects.iter().enumerate() {
         let arguments = effect
             .arguments()
-            .map_err(|source| classify(source, effect.statement))?;
+            .map_err(|source| classify(source, effect.statement, Origin::Effect))?;
         let rows = sqlx::query_with(effect.sql, arguments)
             .execute(&mut **transaction)
             .await
-            .map_err(|source| classify(source, effect.statement))?
+            .map_err(|source| classify(source, effect.statement, Origin::Effect))?
             .rows_affected();
         if position == 0 && rows == 0 && matches!(plan.claim, ClaimStrategy::Natural) {
             return Ok(ClaimOutcome::Duplicate);
@@ -470,12 +541,12 @@ async fn apply_steps(
         sqlx::query("RESET ROLE")
             .execute(&mut **transaction)
             .await
-            .map_err(|source| classify(source, "role"))?;
+            .map_err(host_error("role"))?;
     }
     if !plan.outbox.is_empty() {
         outbox::insert(transaction, plan.consumer, plan.key, &plan.outbox)
             .await
-            .map_err(|source| classify(source, "outbox"))?;
+            .map_err(host_error("outbox"))?;
     }
     Ok(ClaimOutcome::Applied)
 }
@@ -485,72 +556,22 @@ fn quote_identifier(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-/// Serialization failures and deadlocks: the transaction lost a race and may simply be run
-/// again. Counted against the pipeline's retry budget, unlike connection errors.
-pub fn is_conflict(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Database(database_error)
-        if matches!(database_error.code().as_deref(), Some("40001" | "40P01")))
+/// Maps a failure of the host's own statement `statement` to its error.
+fn host_error(statement: &'static str) -> impl Fn(sqlx::Error) -> LedgerError {
+    move |source| classify(source, statement, Origin::Host)
 }
 
-/// A failure of the host's own bookkeeping statements (savepoints): never the message's fault.
-fn classify_transient(source: sqlx::Error, statement: &str) -> LedgerError {
-    match classify(source, statement) {
-        LedgerError::Effect { source, .. } => LedgerError::Transient { source },
-        transient => transient,
-    }
-}
-
-/// Sorts a failure into "try again" or "this message can never apply".
-fn classify(source: sqlx::Error, statement: &str) -> LedgerError {
-    if is_transient(&source) {
-        LedgerError::Transient { source }
-    } else {
-        LedgerError::Effect {
+/// Sorts a failure by whose fault it is (see `fault`).
+fn classify(source: sqlx::Error, statement: &str, origin: Origin) -> LedgerError {
+    match fault::classify(&source, origin) {
+        Fault::Transient => LedgerError::Transient { source },
+        Fault::Message => LedgerError::Effect {
             statement: statement.to_string(),
             source,
-        }
-    }
-}
-
-/// The SQLSTATE of a transient error, or `connection` when the server gave none: a metric label.
-pub fn retry_label(error: &sqlx::Error) -> String {
-    match error {
-        sqlx::Error::Database(database_error) => database_error
-            .code()
-            .map_or_else(|| "unknown".to_string(), |code| code.into_owned()),
-        _ => "connection".to_string(),
-    }
-}
-
-/// Connection loss, server shutdown, serialization failure and deadlock are transient;
-/// constraint, data, syntax and permission errors are the message's own.
-pub fn is_transient(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Database(database_error) => {
-            if matches!(
-                database_error.kind(),
-                ErrorKind::UniqueViolation
-                    | ErrorKind::ForeignKeyViolation
-                    | ErrorKind::NotNullViolation
-                    | ErrorKind::CheckViolation
-            ) {
-                return false;
-            }
-            let code = database_error.code().unwrap_or_default();
-            // 08: connection exception, 40: transaction rollback (40001, 40P01),
-            // 53: insufficient resources, 57P0x: server shutting down, 55P03: lock not available.
-            code.starts_with("08")
-                || code.starts_with("40")
-                || code.starts_with("53")
-                || code.starts_with("57P0")
-                || code == "55P03"
-        }
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        _ => false,
+        },
+        Fault::Config => LedgerError::Config {
+            statement: statement.to_string(),
+            source,
+        },
     }
 }

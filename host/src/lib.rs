@@ -12,6 +12,7 @@
 //! - [`plugin`]: wasmtime components, a fresh sandbox per message, deadline and memory limits.
 //! - [`statement`]: named statements, prepared at start-up, effects type-checked against them.
 //! - [`ledger`]: the transaction: claim (ledger, natural or none), effects, outbox rows, commit.
+//! - [`fault`]: whose fault a database error is: reject the message, retry, or pause.
 //! - [`outbox`]: outbox rows, and the relay that delivers them after commit.
 //! - [`amqp`]: lapin: connect, declare, consume, dead-letter, ack.
 //! - [`reload`]: hot swap of plugins (file watch, SIGHUP, admin call).
@@ -27,6 +28,7 @@ pub mod config;
 pub mod database;
 pub mod effect;
 pub mod failpoint;
+pub mod fault;
 pub mod http;
 pub mod ledger;
 pub mod message;
@@ -91,6 +93,7 @@ pub async fn run_with_metrics(
             return Ok(());
         };
         database::check_schema(&pool, &config.database, config.outbox.is_some()).await?;
+        database::record_consumers(&pool, &config.database, &config.pipelines).await?;
         let runtime = PluginRuntime::new()?;
         let relay = RelayWaker::default();
         let mut pipelines = Vec::with_capacity(config.pipelines.len());

@@ -159,6 +159,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Cleanup { config } => {
             let config = Config::load(&config)?;
             let pool = database::connect_once(&config.database).await?;
+            database::record_consumers(&pool, &config.database, &config.pipelines).await?;
             let pipelines: Vec<_> = config
                 .pipelines
                 .iter()
@@ -193,8 +194,22 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Partition { config } => {
             let config = Config::load(&config)?;
-            let pool = database::connect_once(&config.database).await?;
-            let converted = partition::convert(&pool).await?;
+            // One session, so the check for connected hosts can tell this one apart.
+            let mut database_config = config.database.clone();
+            database_config.max_connections = std::num::NonZeroU32::MIN;
+            let pool = database::connect_once(&database_config).await?;
+            database::record_consumers(&pool, &config.database, &config.pipelines).await?;
+            let converted = match partition::convert(&pool).await? {
+                partition::Conversion::HostsConnected { sessions } => {
+                    eprintln!(
+                        "idem partition: refused: {sessions} idem host session(s) are connected to this database; \
+                         stop every host first (a running host would keep the unpartitioned claim form)"
+                    );
+                    return Ok(ExitCode::FAILURE);
+                }
+                partition::Conversion::Converted => true,
+                partition::Conversion::AlreadyPartitioned => false,
+            };
             let window = config
                 .pipelines
                 .iter()

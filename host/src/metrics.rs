@@ -8,6 +8,7 @@ use std::time::Duration;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -22,6 +23,7 @@ pub struct Metrics {
     plugin_reloads: Family<ReloadLabels, Counter>,
     claims_deleted: Family<PipelineLabels, Counter>,
     outbox_deliveries: Family<DestinationLabels, Counter>,
+    pipeline_paused: Family<PipelineLabels, Gauge>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -121,8 +123,15 @@ impl Metrics {
             "Outbox delivery attempts, by destination and result (delivered, failed, parked)",
             outbox_deliveries.clone(),
         );
+        let pipeline_paused = Family::<PipelineLabels, Gauge>::default();
+        registry.register(
+            "pipeline_paused",
+            "1 while the pipeline is paused by a configuration fault (see /readyz for the statement and SQLSTATE)",
+            pipeline_paused.clone(),
+        );
         Metrics {
             registry,
+            pipeline_paused,
             outbox_deliveries,
             claims_deleted,
             messages,
@@ -145,6 +154,20 @@ impl Metrics {
         self.end_to_end_seconds
             .get_or_create(&pipeline_labels(pipeline))
             .observe(elapsed.as_secs_f64());
+    }
+
+    /// The pipeline paused (`true`) or resumed (`false`).
+    pub fn pipeline_paused(&self, pipeline: &str, paused: bool) {
+        self.pipeline_paused
+            .get_or_create(&pipeline_labels(pipeline))
+            .set(i64::from(paused));
+    }
+
+    /// 1 while `pipeline` is paused.
+    pub fn is_paused(&self, pipeline: &str) -> i64 {
+        self.pipeline_paused
+            .get_or_create(&pipeline_labels(pipeline))
+            .get()
     }
 
     pub fn plugin_called(&self, pipeline: &str, elapsed: Duration) {

@@ -230,7 +230,13 @@ struct Relay {
 impl Relay {
     /// Takes one batch, delivers it, records the results, commits. Returns the rows taken.
     async fn pass(&mut self) -> Result<usize, sqlx::Error> {
-        let mut transaction = self.pool.begin().await?;
+        // The transaction idles while a destination answers (up to its timeout per row), so
+        // the host sessions' idle-in-transaction limit does not apply to it; the server's
+        // keepalives still end it if this host vanishes.
+        let mut transaction = self
+            .pool
+            .begin_with("BEGIN; SET LOCAL idle_in_transaction_session_timeout = 0")
+            .await?;
         let rows = sqlx::query(TAKE_SQL)
             .bind(i64::from(self.config.batch_size.get()))
             .fetch_all(&mut *transaction)

@@ -38,11 +38,22 @@ pub async fn is_partitioned(pool: &PgPool) -> Result<bool, sqlx::Error> {
 /// Converts a plain `processed_messages` into a table partitioned by day, keeping every claim,
 /// in one transaction (it locks the table while it copies: run it before starting hosts).
 /// Returns false if the table was already partitioned.
-pub async fn convert(pool: &PgPool) -> Result<bool, sqlx::Error> {
+pub async fn convert(pool: &PgPool) -> Result<Conversion, sqlx::Error> {
     if is_partitioned(pool).await? {
-        return Ok(false);
+        return Ok(Conversion::AlreadyPartitioned);
     }
     let mut transaction = pool.begin().await?;
+    // A running host keeps the claim form it read at start; after the conversion its
+    // `ON CONFLICT DO NOTHING` would never conflict. Refuse while any host is connected.
+    let hosts: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = 'idem' AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(&mut *transaction)
+    .await?;
+    if hosts > 0 {
+        return Ok(Conversion::HostsConnected { sessions: hosts });
+    }
     sqlx::query("LOCK TABLE processed_messages IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *transaction)
         .await?;
@@ -98,15 +109,40 @@ pub async fn convert(pool: &PgPool) -> Result<bool, sqlx::Error> {
         .execute(&mut *transaction)
         .await?;
     transaction.commit().await?;
-    Ok(true)
+    Ok(Conversion::Converted)
+}
+
+/// What `convert` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Conversion {
+    Converted,
+    AlreadyPartitioned,
+    /// Refused: idem host sessions are connected to the database.
+    HostsConnected {
+        sessions: i64,
+    },
 }
 
 /// Creates the partitions of today and the next [`DAYS_AHEAD`] days, and drops every
-/// partition that ends before `now() - window`.
+/// partition that ends before `now() - window`, where `window` is the longest of `window`
+/// and every consumer's recorded window (`idem_consumers`): a partition holds every
+/// consumer's claims, so it goes only when no consumer sharing the table needs it.
 pub async fn maintain(
     pool: &PgPool,
     window: std::time::Duration,
 ) -> Result<Maintenance, sqlx::Error> {
+    let recorded: Option<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM max(retention_window))::float8 FROM idem_consumers",
+    )
+    .fetch_one(pool)
+    .await?;
+    let recorded = recorded
+        .filter(|seconds| seconds.is_finite() && *seconds > 0.0)
+        .map_or(
+            std::time::Duration::ZERO,
+            std::time::Duration::from_secs_f64,
+        );
+    let window = window.max(recorded);
     let mut maintenance = Maintenance::default();
     let existing = partitions(pool).await?;
     let today = Utc::now().date_naive();

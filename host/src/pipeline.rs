@@ -12,7 +12,7 @@ use sqlx::PgPool;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::amqp::{self, AmqpError, Receipt, Session};
 use crate::backoff::Backoff;
@@ -50,6 +50,28 @@ pub struct Pipeline {
     /// many row locks, and two of them in parallel deadlock on shared rows (one customer's
     /// balance). Plugin calls and single-message transactions still run in parallel.
     pub(crate) batch_applier: tokio::sync::Mutex<()>,
+    /// `Some` while a configuration fault pauses the pipeline: no new deliveries are taken
+    /// until a retry of the failing transaction succeeds.
+    paused: tokio::sync::watch::Sender<Option<Paused>>,
+}
+
+/// Why a pipeline is paused: the statement that failed for a configuration reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Paused {
+    pub statement: String,
+    pub sqlstate: String,
+    /// The database's words.
+    pub reason: String,
+}
+
+impl std::fmt::Display for Paused {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            formatter,
+            "paused: statement {:?} failed with SQLSTATE {}: {}",
+            self.statement, self.sqlstate, self.reason
+        )
+    }
 }
 
 /// What the last reload attempt of a pipeline's plugin did.
@@ -146,11 +168,62 @@ impl Pipeline {
             reload_lock: tokio::sync::Mutex::new(()),
             relay: RelayWaker::default(),
             batch_applier: tokio::sync::Mutex::new(()),
+            paused: tokio::sync::watch::Sender::new(None),
         })
     }
 
     pub fn name(&self) -> &str {
         &self.config.name
+    }
+
+    /// Stops taking deliveries because of a configuration fault; says so loudly, once per
+    /// distinct reason.
+    pub fn pause(&self, paused: Paused) {
+        let mut newly = false;
+        let changed = self.paused.send_if_modified(|current| {
+            newly = current.is_none();
+            if current.as_ref() == Some(&paused) {
+                return false;
+            }
+            *current = Some(paused.clone());
+            true
+        });
+        if newly {
+            self.metrics.pipeline_paused(self.name(), true);
+        }
+        if changed {
+            error!(
+                pipeline = %self.name(),
+                statement = %paused.statement,
+                sqlstate = %paused.sqlstate,
+                reason = %paused.reason,
+                "Pipeline paused by a configuration fault: no message is applied or dead-lettered until the statement works again; retrying every few seconds."
+            );
+        } else {
+            debug!(pipeline = %self.name(), "Still paused.");
+        }
+    }
+
+    /// Takes deliveries again after a pause.
+    pub fn resume(&self) {
+        let was_paused = self
+            .paused
+            .send_if_modified(|current| current.take().is_some());
+        if was_paused {
+            self.metrics.pipeline_paused(self.name(), false);
+            info!(pipeline = %self.name(), "Pipeline resumed: the statement works again.");
+        }
+    }
+
+    /// Why the pipeline is paused, if it is.
+    pub fn paused(&self) -> Option<Paused> {
+        self.paused.borrow().clone()
+    }
+
+    /// Returns once the pipeline is not paused.
+    async fn unpaused(&self) {
+        let mut receiver = self.paused.subscribe();
+        let _ = receiver.wait_for(Option::is_none).await;
     }
 }
 
@@ -289,6 +362,14 @@ async fn serve(
     };
     let ended = loop {
         while in_flight.try_join_next().is_some() {}
+        if pipeline.paused().is_some() {
+            // A configuration fault: take nothing more until the paused transaction works.
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => break Ok(()),
+                () = pipeline.unpaused() => {}
+            }
+        }
         let next = tokio::select! {
             biased;
             () = shutdown.cancelled() => break Ok(()),

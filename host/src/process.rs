@@ -12,9 +12,10 @@ use tracing::{Instrument, debug, warn};
 use crate::backoff::Backoff;
 use crate::effect::{Decision, FailureKind, Outcome};
 use crate::failpoint::Failpoint;
+use crate::fault;
 use crate::ledger::{self, ClaimOutcome, LedgerError, Plan};
 use crate::message::InboundMessage;
-use crate::pipeline::Pipeline;
+use crate::pipeline::{Paused, Pipeline};
 use crate::plugin::{LoadedPlugin, PluginError};
 
 /// Longest idempotency key accepted; longer keys would not fit the claim's btree index.
@@ -109,17 +110,18 @@ async fn apply_one(
     let mut retries = Retries::new(pipeline, shutdown);
     loop {
         let started = Instant::now();
-        let result = ledger::apply(&pipeline.pool, plan).await;
+        let result = ledger::apply(&pipeline.pool, &pipeline.config.transaction, plan).await;
         pipeline
             .metrics
             .transaction_finished(pipeline.name(), started.elapsed());
         match result {
-            Err(LedgerError::Transient { source }) => {
-                if let Some(give_up) = retries.failed(plan.key, &source).await {
+            Err(error) if error.is_retried() => {
+                if let Some(give_up) = retries.failed(plan.key, &error).await {
                     return give_up;
                 }
             }
             finished => {
+                retries.succeeded();
                 let disposition = disposition_of(finished);
                 after_commit(pipeline, &disposition, plan);
                 return disposition;
@@ -161,7 +163,6 @@ pub async fn handle_batch(
         }
         if !planned.is_empty() {
             let plans: Vec<&Plan<'_>> = planned.iter().map(|(_, plan)| plan).collect();
-            let isolation = pipeline.config.transaction.isolation;
             let _one_batch_at_a_time = if plans.len() > 1 {
                 Some(pipeline.batch_applier.lock().await)
             } else {
@@ -170,20 +171,27 @@ pub async fn handle_batch(
             let mut retries = Retries::new(pipeline, shutdown);
             let applied = loop {
                 let started = Instant::now();
-                let result = ledger::apply_batch(&pipeline.pool, isolation, &plans).await;
+                let result =
+                    ledger::apply_batch(&pipeline.pool, &pipeline.config.transaction, &plans).await;
                 pipeline
                     .metrics
                     .transaction_finished(pipeline.name(), started.elapsed());
                 match result {
-                    Ok(items) => break Ok(Some(items)),
-                    Err(LedgerError::Transient { source }) => {
-                        if let Some(give_up) = retries.failed(plans[0].key, &source).await {
+                    Ok(items) => {
+                        retries.succeeded();
+                        break Ok(Some(items));
+                    }
+                    Err(error) if error.is_retried() => {
+                        if let Some(give_up) = retries.failed(plans[0].key, &error).await {
                             break Err(give_up);
                         }
                     }
                     // COMMIT itself refused the batch (a deferred constraint): nothing was
                     // applied, and only one message at a time can tell whose fault it is.
-                    Err(LedgerError::Effect { .. }) => break Ok(None),
+                    Err(_) => {
+                        retries.succeeded();
+                        break Ok(None);
+                    }
                 }
             };
             match applied {
@@ -302,14 +310,23 @@ fn plan<'a>(
     })
 }
 
-/// Paces the retries of one message's (or batch's) transaction: connection errors are
+/// How long a paused pipeline waits between tries of the transaction that paused it.
+const PAUSE_RETRY: Duration = Duration::from_secs(3);
+
+/// An outdated cached plan (0A000) is cured by a new connection; one that comes back this
+/// many times in a row is a real `feature not supported`, a configuration fault.
+const STALE_PLAN_TRIES: u32 = 3;
+
+/// Paces the retries of one message's (or batch's) transaction: transient errors are
 /// retried without limit (the message stays unacked), conflicts (40001, 40P01) up to the
-/// pipeline's budget.
+/// pipeline's budget, and a configuration fault pauses the pipeline until a try succeeds.
 struct Retries<'a> {
     pipeline: &'a Pipeline,
     shutdown: &'a CancellationToken,
     backoff: Backoff,
     conflicts: u32,
+    stale_plans: u32,
+    paused: bool,
 }
 
 impl<'a> Retries<'a> {
@@ -319,41 +336,105 @@ impl<'a> Retries<'a> {
             shutdown,
             backoff: Backoff::new(Duration::from_millis(50), Duration::from_secs(5)),
             conflicts: 0,
+            stale_plans: 0,
+            paused: false,
         }
     }
 
-    /// Records a transient failure and waits before the next try. `Some(Requeue)` when it
-    /// gives up: the budget is spent, or the host is stopping.
-    async fn failed(&mut self, key: &str, source: &sqlx::Error) -> Option<Disposition> {
+    /// The transaction finished (whatever its outcome): a pause it caused ends.
+    fn succeeded(&mut self) {
+        if self.paused {
+            self.pipeline.resume();
+            self.paused = false;
+        }
+    }
+
+    /// Records a retried failure and waits before the next try. `Some(Requeue)` when it
+    /// gives up: the conflict budget is spent, or the host is stopping.
+    async fn failed(&mut self, key: &str, error: &LedgerError) -> Option<Disposition> {
         let pipeline = self.pipeline;
-        pipeline
-            .metrics
-            .database_retried(pipeline.name(), &ledger::retry_label(source));
-        let conflict = ledger::is_conflict(source);
-        if conflict {
-            self.conflicts += 1;
-            let budget = pipeline.config.transaction.retries;
-            if self.conflicts > budget {
-                warn!(
-                    %key,
-                    error = %source,
-                    retries = budget,
-                    "Transaction kept conflicting; the message goes back to the queue."
-                );
-                return Some(Disposition::Requeue);
+        let (label, delay) = match error {
+            LedgerError::Transient { source } => {
+                let label = fault::retry_label(source);
+                if fault::is_stale_plan(source) {
+                    self.stale_plans += 1;
+                    if self.stale_plans >= STALE_PLAN_TRIES {
+                        return self.pause("(any)", &label, &fault::describe(source)).await;
+                    }
+                } else {
+                    self.stale_plans = 0;
+                }
+                let conflict = fault::is_conflict(source);
+                if conflict {
+                    self.conflicts += 1;
+                    let budget = pipeline.config.transaction.retries;
+                    if self.conflicts > budget {
+                        pipeline.metrics.database_retried(pipeline.name(), &label);
+                        warn!(
+                            %key,
+                            error = %source,
+                            retries = budget,
+                            "Transaction kept conflicting; the message goes back to the queue."
+                        );
+                        return Some(Disposition::Requeue);
+                    }
+                }
+                let delay = self.backoff.next_delay();
+                if conflict {
+                    debug!(%key, error = %source, retry_in_ms = delay.as_millis() as u64, "Transaction conflicted; retrying it.");
+                } else {
+                    warn!(
+                        pipeline = %pipeline.name(),
+                        %key,
+                        error = %fault::describe(source),
+                        retry_in_ms = delay.as_millis() as u64,
+                        "PostgreSQL unavailable; the message stays unacked and will be retried."
+                    );
+                }
+                (label, delay)
             }
-        }
-        let delay = self.backoff.next_delay();
-        if conflict {
-            debug!(%key, error = %source, retry_in_ms = delay.as_millis() as u64, "Transaction conflicted; retrying it.");
-        } else {
-            warn!(
-                %key,
-                error = %source,
-                retry_in_ms = delay.as_millis() as u64,
-                "PostgreSQL unavailable; the message stays unacked and will be retried."
-            );
-        }
+            LedgerError::Deadline { .. } => {
+                let delay = self.backoff.next_delay();
+                warn!(
+                    pipeline = %pipeline.name(),
+                    %key,
+                    %error,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "Transaction deadline passed; retrying on a new connection."
+                );
+                ("deadline".to_string(), delay)
+            }
+            LedgerError::Config { statement, source } => {
+                let label = fault::retry_label(source);
+                return self
+                    .pause(statement, &label, &fault::describe(source))
+                    .await;
+            }
+            LedgerError::Effect { .. } => return Some(Disposition::Requeue),
+        };
+        pipeline.metrics.database_retried(pipeline.name(), &label);
+        self.wait(delay).await
+    }
+
+    /// Pauses the pipeline for a configuration fault and waits to try again.
+    async fn pause(
+        &mut self,
+        statement: &str,
+        sqlstate: &str,
+        reason: &str,
+    ) -> Option<Disposition> {
+        let pipeline = self.pipeline;
+        pipeline.metrics.database_retried(pipeline.name(), sqlstate);
+        pipeline.pause(Paused {
+            statement: statement.to_string(),
+            sqlstate: sqlstate.to_string(),
+            reason: reason.to_string(),
+        });
+        self.paused = true;
+        self.wait(PAUSE_RETRY).await
+    }
+
+    async fn wait(&self, delay: Duration) -> Option<Disposition> {
         tokio::select! {
             () = tokio::time::sleep(delay) => None,
             () = self.shutdown.cancelled() => Some(Disposition::Requeue),
@@ -371,12 +452,12 @@ fn disposition_of(result: Result<ClaimOutcome, LedgerError>) -> Disposition {
             error_kind: "sql",
             reason: format!(
                 "statement {statement:?} failed, claim rolled back: {}",
-                sql_error_text(&source)
+                fault::describe(&source)
             ),
         },
-        // `with_retries` keeps transient errors; one reaching here is a bug, and requeueing
+        // `Retries` keeps every other error; one reaching here is a bug, and requeueing
         // is the safe answer.
-        Err(LedgerError::Transient { .. }) => Disposition::Requeue,
+        Err(_) => Disposition::Requeue,
     }
 }
 
@@ -401,16 +482,5 @@ fn plugin_error_kind(error: &PluginError) -> &'static str {
         PluginError::Trap { .. } => "plugin-trap",
         PluginError::OutputTooLarge { .. } | PluginError::InvalidOutput { .. } => "invalid-output",
         PluginError::Read { .. } | PluginError::Invalid { .. } => "plugin-load",
-    }
-}
-
-/// The database's own words, with its SQLSTATE when it gave one.
-fn sql_error_text(error: &sqlx::Error) -> String {
-    match error {
-        sqlx::Error::Database(database_error) => match database_error.code() {
-            Some(code) => format!("{} (SQLSTATE {code})", database_error.message()),
-            None => database_error.message().to_string(),
-        },
-        other => other.to_string(),
     }
 }

@@ -26,6 +26,32 @@ const DELETE_BATCH_SQL: &str = "DELETE FROM processed_messages \
                     WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) \
                     LIMIT $3)";
 
+/// Records each consumer's retention window in `idem_consumers`, so partition mode keeps
+/// claims for the longest window of every consumer sharing the table, whichever host cleans.
+pub async fn record_windows(
+    pool: &PgPool,
+    windows: impl IntoIterator<Item = (&str, std::time::Duration)>,
+) -> Result<(), sqlx::Error> {
+    let mut longest: BTreeMap<&str, std::time::Duration> = BTreeMap::new();
+    for (consumer, window) in windows {
+        let entry = longest.entry(consumer).or_default();
+        *entry = (*entry).max(window);
+    }
+    for (consumer, window) in longest {
+        sqlx::query(
+            "INSERT INTO idem_consumers (consumer, retention_window) \
+             VALUES ($1, make_interval(secs => $2)) \
+             ON CONFLICT (consumer) DO UPDATE \
+               SET retention_window = EXCLUDED.retention_window, recorded_at = now()",
+        )
+        .bind(consumer)
+        .bind(window.as_secs_f64())
+        .execute(pool)
+        .await?;
+    }
+    Ok(())
+}
+
 /// What a cleaning pass did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Pass {

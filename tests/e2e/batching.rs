@@ -246,3 +246,57 @@ async fn batched_pipeline_credits_every_order_once_through_the_broker() {
     env.assert_loyalty_consistent().await;
     env.cleanup().await;
 }
+
+/// A plugin returns a key with a NUL character (PostgreSQL refuses `\0` in text) for one
+/// message among 600 good ones in one batch: exactly that message is dead-lettered as
+/// `invalid-output`, before any SQL, and the rest apply; nothing loops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_key_in_a_batch_dead_letters_only_its_message() {
+    let env = TestEnv::new("batch_nul_key").await;
+    let credit = |order_id: i64| {
+        serde_json::json!({
+            "key": format!("order:{order_id}"),
+            "effects": [
+                {"statement": "record_ledger", "params": [order_id % 7, order_id, 10]},
+                {"statement": "credit_balance", "params": [order_id % 7, 10]},
+            ],
+        })
+    };
+    for order_id in 1..=600 {
+        if order_id == 300 {
+            let mut bad = credit(0);
+            bad["key"] = serde_json::json!("order:\u{0}300");
+            env.publish(bad.to_string().as_bytes()).await;
+        }
+        env.publish(credit(order_id).to_string().as_bytes()).await;
+    }
+    let host = env.start_host(env.config("chaos", "[pipelines.loyalty.batch]\nsize = 700"));
+    wait_for(
+        "600 credits and one dead letter",
+        Duration::from_secs(30),
+        || async {
+            env.count("SELECT count(*) FROM point_ledger").await == 600
+                && env.ready(&env.dead_letter_queue).await == 1
+        },
+    )
+    .await;
+    host.stop().await.expect("host stops");
+    let dead = env.drain(&env.dead_letter_queue).await;
+    assert_eq!(dead.len(), 1);
+    let header = |name: &str| {
+        dead[0]
+            .1
+            .iter()
+            .find(|(header, _)| header == name)
+            .map(|(_, value)| value.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(header("x-idem-error-kind"), "invalid-output");
+    assert!(header("x-idem-reason").contains("NUL"), "{dead:?}");
+    assert_eq!(
+        env.count("SELECT count(*) FROM processed_messages").await,
+        600
+    );
+    env.assert_loyalty_consistent().await;
+    env.cleanup().await;
+}

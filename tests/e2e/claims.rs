@@ -447,20 +447,37 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
         Disposition::Ack(Settled::Applied)
     );
 
-    // A statement touching a table the role may not: refused by Postgres, claim rolled back.
-    let forbidden = start_pipeline(
-        &env,
-        &pipeline_text("DELETE FROM secrets WHERE $1::int8 IS NOT NULL AND $2::int8 IS NOT NULL"),
-    )
-    .await
-    .expect("pipeline starts");
-    let disposition =
-        handle_delivery(&forbidden, &loyalty_message(order(2, 1, 500)), 1, &shutdown).await;
-    let Disposition::DeadLetter { error_kind, reason } = disposition else {
-        panic!("expected a dead-letter, got {disposition:?}");
+    // A statement touching a table the role may not: refused by Postgres (42501), claim
+    // rolled back. A configuration fault: the pipeline pauses, the message stays unacked
+    // (requeued when the host stops), nothing is dead-lettered.
+    let forbidden = Arc::new(
+        start_pipeline(
+            &env,
+            &pipeline_text(
+                "DELETE FROM secrets WHERE $1::int8 IS NOT NULL AND $2::int8 IS NOT NULL",
+            ),
+        )
+        .await
+        .expect("pipeline starts"),
+    );
+    let stopping = CancellationToken::new();
+    let delivery = {
+        let forbidden = Arc::clone(&forbidden);
+        let stopping = stopping.clone();
+        tokio::spawn(async move {
+            handle_delivery(&forbidden, &loyalty_message(order(2, 1, 500)), 1, &stopping).await
+        })
     };
-    assert_eq!(error_kind, "sql");
-    assert!(reason.contains("permission denied"), "{reason}");
+    wait_for("the pipeline to pause", Duration::from_secs(20), || async {
+        forbidden.paused().is_some()
+    })
+    .await;
+    let paused = forbidden.paused().expect("paused");
+    assert_eq!(paused.sqlstate, "42501", "{paused}");
+    assert_eq!(paused.statement, "credit_balance", "{paused}");
+    assert!(paused.reason.contains("permission denied"), "{paused}");
+    stopping.cancel();
+    assert_eq!(delivery.await.expect("delivery"), Disposition::Requeue);
     assert_eq!(env.count("SELECT count(*) FROM secrets").await, 1);
     assert_eq!(
         env.count(

@@ -322,12 +322,16 @@ async fn partition_mode_drops_old_days_and_still_deduplicates() {
     .await
     .expect("seed claims");
 
-    assert!(partition::convert(&env.pool).await.expect("convert"));
+    assert_eq!(
+        partition::convert(&env.pool).await.expect("convert"),
+        partition::Conversion::Converted
+    );
     assert!(partition::is_partitioned(&env.pool).await.expect("inspect"));
-    assert!(
-        !partition::convert(&env.pool)
+    assert_eq!(
+        partition::convert(&env.pool)
             .await
-            .expect("second convert is a no-op")
+            .expect("second convert is a no-op"),
+        partition::Conversion::AlreadyPartitioned
     );
     assert_eq!(
         env.count("SELECT count(*) FROM processed_messages").await,
@@ -391,6 +395,76 @@ async fn partition_mode_drops_old_days_and_still_deduplicates() {
         .await,
         1
     );
+    env.cleanup().await;
+}
+
+/// Two consumers share a partitioned `processed_messages` with windows of 1 and 30 days: a
+/// host that knows only the 1-day consumer must not drop the other's claims younger than 30
+/// days. And `idem partition` refuses while a host is connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_retention_keeps_every_consumers_window() {
+    use idem_host::partition;
+    use idem_host::retention;
+
+    let env = TestEnv::new("partition_windows").await;
+    sqlx::query(
+        "INSERT INTO processed_messages (consumer, message_key, processed_at) \
+         SELECT c, d || ':' || n, now() - make_interval(days => d) \
+         FROM unnest(ARRAY['short', 'long']) c, unnest(ARRAY[2, 10, 29, 31, 45]) d, generate_series(1, 10) n",
+    )
+    .execute(&env.pool)
+    .await
+    .expect("seed claims");
+
+    // A host is connected (application_name = idem): the conversion is refused.
+    let host_session = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            env.database_url
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .expect("url")
+                .application_name("idem"),
+        )
+        .await
+        .expect("host session");
+    sqlx::query("SELECT 1")
+        .execute(&host_session)
+        .await
+        .expect("session up");
+    assert_eq!(
+        partition::convert(&env.pool).await.expect("convert"),
+        partition::Conversion::HostsConnected { sessions: 1 }
+    );
+    assert!(!partition::is_partitioned(&env.pool).await.expect("inspect"));
+    host_session.close().await;
+    assert_eq!(
+        partition::convert(&env.pool).await.expect("convert"),
+        partition::Conversion::Converted
+    );
+
+    // The 30-day consumer's host recorded its window; this host knows only the 1-day one.
+    retention::record_windows(&env.pool, [("long", Duration::from_secs(30 * 86_400))])
+        .await
+        .expect("record the long window");
+    retention::record_windows(&env.pool, [("short", Duration::from_secs(86_400))])
+        .await
+        .expect("record the short window");
+    let maintenance = partition::maintain(&env.pool, Duration::from_secs(86_400))
+        .await
+        .expect("maintain");
+    assert!(!maintenance.dropped.is_empty(), "{maintenance:?}");
+    let young = env
+        .count("SELECT count(*) FROM processed_messages WHERE processed_at > now() - interval '30 days'")
+        .await;
+    assert_eq!(
+        young,
+        2 * 3 * 10,
+        "a claim younger than 30 days was dropped"
+    );
+    let old = env
+        .count("SELECT count(*) FROM processed_messages WHERE processed_at < now() - interval '31 days'")
+        .await;
+    assert_eq!(old, 0, "claims past every window are dropped");
     env.cleanup().await;
 }
 

@@ -143,3 +143,69 @@ async fn runaway_plugins_are_dead_lettered_while_a_healthy_pipeline_serves() {
     );
     env.cleanup().await;
 }
+
+/// A component whose core module declares three memories (64 KiB + 40 MiB + 40 MiB): each is
+/// under a 64 MiB `memory_mib`, together they are over it. The limit bounds the instance's
+/// memories together, so the call fails as `plugin-memory`; with room for all three it runs.
+#[tokio::test]
+async fn memory_limit_bounds_all_memories_of_an_instance_together() {
+    use idem_host::config::PluginLimits;
+    use idem_host::message::InboundMessage;
+    use idem_host::plugin::{PluginError, PluginRuntime};
+
+    let core = wat::parse_str(
+        r#"(module
+             (memory (export "memory") 1)
+             (memory $second 640)
+             (memory $third 640)
+             (func (export "cabi_realloc") (param i32 i32 i32 i32) (result i32) i32.const 1024)
+             (func (export "idem:plugin/handler@0.2.0#handle")
+               (param i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32) (result i32)
+               unreachable))"#,
+    )
+    .expect("core module");
+    let mut resolve = wit_parser::Resolve::default();
+    let (package, _) = resolve
+        .push_dir(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit"))
+        .expect("the plugin contract");
+    let world = resolve
+        .select_world(&[package], Some("plugin"))
+        .expect("the plugin world");
+    let mut module = core;
+    wit_component::embed_component_metadata(
+        &mut module,
+        &resolve,
+        world,
+        wit_component::StringEncoding::UTF8,
+    )
+    .expect("embed the contract");
+    let component = wit_component::ComponentEncoder::default()
+        .module(&module)
+        .expect("module")
+        .validate(true)
+        .encode()
+        .expect("component");
+
+    let runtime = PluginRuntime::new().expect("runtime");
+    let plugin = runtime
+        .load_bytes(std::path::Path::new("three-memories.wasm"), &component)
+        .expect("the component fits the plugin world");
+    let message = InboundMessage {
+        pipeline: "memories".into(),
+        body: b"{}".to_vec(),
+        ..InboundMessage::default()
+    };
+    let limits = |memory_mib: u32| PluginLimits {
+        memory_mib: memory_mib.try_into().expect("non-zero"),
+        ..PluginLimits::default()
+    };
+    match runtime.invoke(&plugin, &limits(64), &message).await {
+        Err(PluginError::MemoryExceeded { limit_mib: 64 }) => {}
+        other => panic!("three memories of 80 MiB in all ran under a 64 MiB limit: {other:?}"),
+    }
+    // With room for all three, the instance is created and the call reaches its body (a trap).
+    match runtime.invoke(&plugin, &limits(96), &message).await {
+        Err(PluginError::Trap { .. }) => {}
+        other => panic!("expected the body's trap under a 96 MiB limit: {other:?}"),
+    }
+}

@@ -7,6 +7,8 @@
 //! `IDEM_FAULTS=full` runs the full sizes (10,000 messages, 5 kills, 30 s of backend
 //! terminations); the default short profile keeps CI fast. `scripts/faults.sh` runs it.
 
+mod database;
+
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::Command;
@@ -460,6 +462,37 @@ async fn a_paused_host_loses_its_deliveries_to_another() {
     stop(paused);
     stop(other);
     check(&env, "SIGSTOP past the heartbeat", &published, 1).await;
+    env.cleanup().await;
+}
+
+/// A host stopped (SIGSTOP, as in a VM pause) for longer than the plugin deadline while
+/// messages are in its plugin: the time it was stopped is not the plugin's, so nothing is
+/// dead-lettered as `plugin-deadline`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_paused_past_the_plugin_deadline_dead_letters_nothing() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("fault_stop_deadline").await;
+    let text = env.config_text("loyalty", "[pipelines.loyalty.limits]\ndeadline_ms = 200");
+    let config = std::env::temp_dir().join(format!("{}.toml", env.database));
+    std::fs::write(&config, text).expect("write config");
+    let host = spawn_idem(&config, &[]);
+    let orders = sized(4_000, 10_000) as i64;
+    let publisher = tokio::spawn(publish_orders(env.queue.clone(), 1, orders, 0.1));
+    wait_for("the first credits", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await > 0
+    })
+    .await;
+    let pauses = sized(4, 10);
+    for _ in 0..pauses {
+        random_pause(50, 300).await;
+        signal(&host, "-STOP");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        signal(&host, "-CONT");
+    }
+    let published = publisher.await.expect("publisher");
+    wait_settled(&env, &published, Duration::from_secs(180)).await;
+    stop(host);
+    check(&env, "SIGSTOP past the plugin deadline", &published, pauses).await;
     env.cleanup().await;
 }
 

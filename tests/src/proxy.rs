@@ -1,5 +1,7 @@
 //! A TCP proxy on 127.0.0.1 that cuts connections on purpose: all of them at once, or the one
-//! that sends `COMMIT`, after forwarding it, so the client never learns the outcome.
+//! that sends `COMMIT`, after forwarding it, so the client never learns the outcome; or
+//! silences them: open connections stay open but carry nothing more, as when a failover
+//! moves an address or a NAT forgets a flow (half-open), while new connections work.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -21,6 +23,8 @@ struct State {
     target: SocketAddr,
     /// Bumped to cut every open connection.
     generation: watch::Sender<u64>,
+    /// Bumped to silence every open connection.
+    silence: watch::Sender<u64>,
     drop_next_commit: AtomicBool,
     commits_dropped: AtomicU64,
 }
@@ -31,9 +35,11 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let port = listener.local_addr().expect("proxy address").port();
         let (generation, _) = watch::channel(0u64);
+        let (silence, _) = watch::channel(0u64);
         let state = Arc::new(State {
             target,
             generation,
+            silence,
             drop_next_commit: AtomicBool::new(false),
             commits_dropped: AtomicU64::new(0),
         });
@@ -46,7 +52,7 @@ impl Proxy {
                     _ = stopped.changed() => return,
                 };
                 let Ok((client, _)) = accepted else { continue };
-                tokio::spawn(relay(client, Arc::clone(&accepting)));
+                tokio::spawn(relay(client, Arc::clone(&accepting), stopped.clone()));
             }
         });
         Proxy {
@@ -63,6 +69,12 @@ impl Proxy {
             .send_modify(|generation| *generation += 1);
     }
 
+    /// Every connection open now stops forwarding in both directions but stays open (no FIN,
+    /// no RST): each side waits for an answer that never comes. New connections work.
+    pub fn silence_all(&self) {
+        self.state.silence.send_modify(|silence| *silence += 1);
+    }
+
     /// The next `COMMIT` a client sends is forwarded to the server, then the connection is
     /// closed before the server's answer can reach the client: the outcome is unknown to it.
     pub fn drop_next_commit(&self) {
@@ -74,11 +86,12 @@ impl Proxy {
     }
 }
 
-async fn relay(client: TcpStream, state: Arc<State>) {
+async fn relay(client: TcpStream, state: Arc<State>, mut stopped: watch::Receiver<()>) {
     let Ok(server) = TcpStream::connect(state.target).await else {
         return;
     };
     let mut cut = state.generation.subscribe();
+    let mut silenced = state.silence.subscribe();
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
     // Set once this connection's COMMIT is to be lost: nothing more reaches the client.
@@ -124,5 +137,13 @@ async fn relay(client: TcpStream, state: Arc<State>) {
         () = upstream => {}
         () = downstream => {}
         _ = cut.changed() => {}
+        _ = silenced.changed() => {
+            // Half-open: forward nothing more, but keep both sockets (locals of this
+            // function) open until a cut or until the proxy stops.
+            tokio::select! {
+                _ = cut.changed() => {}
+                _ = stopped.changed() => {}
+            }
+        }
     }
 }

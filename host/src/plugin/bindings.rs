@@ -2,6 +2,7 @@
 
 use crate::effect::{Decision, Effect, Failure, FailureKind, OutboxMessage, Outcome, Value};
 use crate::message::InboundMessage;
+use crate::plugin::{PLUGIN_TEXT_BYTES, printable};
 
 wasmtime::component::bindgen!({
     path: "../wit",
@@ -30,13 +31,15 @@ pub fn verdict(result: Result<types::Outcome, types::Failure>) -> Result<Outcome
             key: decision.key,
             effects: decision.effects.into_iter().map(effect).collect(),
         })),
-        Ok(types::Outcome::Skip(reason)) => Ok(Outcome::Skip { reason }),
+        Ok(types::Outcome::Skip(reason)) => Ok(Outcome::Skip {
+            reason: printable(&reason, PLUGIN_TEXT_BYTES),
+        }),
         Err(failure) => Err(Failure {
             kind: match failure.kind {
                 types::FailureKind::InvalidInput => FailureKind::InvalidInput,
                 types::FailureKind::Retryable => FailureKind::Retryable,
             },
-            reason: failure.reason,
+            reason: printable(&failure.reason, PLUGIN_TEXT_BYTES),
         }),
     }
 }

@@ -5,11 +5,10 @@ use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::plugin::bindings::log;
+use crate::plugin::{PLUGIN_TEXT_BYTES, printable};
 
 /// Log lines one call may emit before the rest are dropped (and counted in one summary line).
 const LOG_LINES_PER_CALL: u32 = 32;
-/// Longest log line kept from a plugin, in bytes.
-const LOG_LINE_BYTES: usize = 1024;
 
 pub struct PluginState {
     pipeline: String,
@@ -52,6 +51,12 @@ pub(super) struct SandboxLimiter {
 
 /// Tables a plugin may grow to, in elements: far above what compilers emit, far below harm.
 const TABLE_ELEMENTS: usize = 1_000_000;
+/// Core instances, memories and tables one plugin instance may create. A Python or
+/// JavaScript component has about a dozen core instances; the caps leave room for that and
+/// stop a component built to exhaust the host.
+const MAX_INSTANCES: usize = 64;
+const MAX_MEMORIES: usize = 16;
+const MAX_TABLES: usize = 64;
 
 impl ResourceLimiter for SandboxLimiter {
     fn memory_growing(
@@ -60,14 +65,18 @@ impl ResourceLimiter for SandboxLimiter {
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        if desired > self.memory_bytes {
+        // The limit bounds the instance's memories together: a component with many core
+        // instances cannot multiply it.
+        let growth = desired.saturating_sub(current);
+        let total = self.memory_used.saturating_add(growth);
+        if total > self.memory_bytes {
             self.memory_exceeded = true;
             wasmtime::bail!(
-                "memory limit exceeded: wanted {desired} bytes, limit is {} bytes",
+                "memory limit exceeded: the instance's memories would total {total} bytes, limit is {} bytes",
                 self.memory_bytes
             );
         }
-        self.memory_used += desired.saturating_sub(current);
+        self.memory_used = total;
         Ok(true)
     }
 
@@ -78,6 +87,18 @@ impl ResourceLimiter for SandboxLimiter {
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
         Ok(desired <= TABLE_ELEMENTS)
+    }
+
+    fn instances(&self) -> usize {
+        MAX_INSTANCES
+    }
+
+    fn memories(&self) -> usize {
+        MAX_MEMORIES
+    }
+
+    fn tables(&self) -> usize {
+        MAX_TABLES
     }
 }
 
@@ -108,15 +129,7 @@ impl log::Host for PluginState {
         if self.log_lines > LOG_LINES_PER_CALL {
             return;
         }
-        let mut line = message;
-        if line.len() > LOG_LINE_BYTES {
-            let mut cut = LOG_LINE_BYTES;
-            while !line.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            line.truncate(cut);
-            line.push('…');
-        }
+        let line = printable(&message, PLUGIN_TEXT_BYTES);
         let pipeline = &self.pipeline;
         match level {
             log::Level::Trace => tracing::trace!(pipeline = %pipeline, plugin_log = %line),

@@ -1,0 +1,130 @@
+//! Whose fault is a database error? The one classification, shared by every path that runs
+//! SQL for a message (one message per transaction, batches, the savepoint path, `COMMIT`).
+//!
+//! Architecture invariant: a message is rejected only for its own data. Anything the
+//! database, the network, the host or the operator's configuration caused keeps the message
+//! unacked: retried, or the pipeline paused until the configuration works again.
+
+/// Who issued the statement that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// One of the message's own effects (the natural claim statement included), with the
+    /// plugin's values, or the `COMMIT` that runs their deferred checks.
+    Effect,
+    /// The host's own bookkeeping: `BEGIN`, the ledger claim, `SET LOCAL ROLE`, savepoints,
+    /// outbox rows. Its values are the host's, so its failure is never the message's fault.
+    Host,
+}
+
+/// What a failure means for the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The message's own data can never succeed: dead-letter it.
+    Message,
+    /// The operator's configuration or schema is wrong (undefined table, permission denied):
+    /// pause the pipeline and retry until it works again; the message stays unacked.
+    Config,
+    /// The database, the network or a race: retry the transaction with backoff.
+    Transient,
+}
+
+/// SQLSTATE classes raised by the values a statement was given: data exceptions (22),
+/// integrity constraints (23), cardinality (21: an upsert touching a row twice), check
+/// options (44), program limits (54: an index row too large) and PL/pgSQL raises (P0: a
+/// validation trigger).
+const MESSAGE_CLASSES: [&str; 6] = ["21", "22", "23", "44", "54", "P0"];
+
+/// SQLSTATE classes that say the configuration or schema is wrong: syntax or access rule
+/// (42: undefined table, permission denied), authorization (28), invalid role or grantor
+/// (0L, 0P), dependent privileges (2B), routine errors (2F, 38, 39), unknown database or
+/// schema (3D, 3F).
+const CONFIG_CLASSES: [&str; 10] = ["42", "28", "0L", "0P", "2B", "2F", "38", "39", "3D", "3F"];
+
+/// Classifies `error`, raised by a statement from `origin`. Connection (08), transaction
+/// state (25, a read-only standby), rollback (40), resources (53), object state (55, lock
+/// timeouts), operator intervention (57: cancels, shutdowns), system (58), internal (XX) and
+/// every class not named above are transient. 0A000 is transient too: its usual cause is a
+/// cached plan outdated by an `ALTER` (the connection is replaced); the caller escalates it
+/// to a configuration fault if it persists.
+pub fn classify(error: &sqlx::Error, origin: Origin) -> Fault {
+    let message_fault = match origin {
+        Origin::Effect => Fault::Message,
+        Origin::Host => Fault::Transient,
+    };
+    match error {
+        sqlx::Error::Database(database_error) => {
+            let code = database_error.code().unwrap_or_default();
+            let class = code.get(..2).unwrap_or_default();
+            if MESSAGE_CLASSES.contains(&class) {
+                message_fault
+            } else if CONFIG_CLASSES.contains(&class) {
+                Fault::Config
+            } else {
+                Fault::Transient
+            }
+        }
+        // A value that cannot be encoded for its parameter.
+        sqlx::Error::Encode(_) => message_fault,
+        _ => Fault::Transient,
+    }
+}
+
+/// The SQLSTATE of `error`, if the server sent one.
+pub fn sqlstate(error: &sqlx::Error) -> Option<String> {
+    match error {
+        sqlx::Error::Database(database_error) => {
+            database_error.code().map(|code| code.into_owned())
+        }
+        _ => None,
+    }
+}
+
+/// A cached prepared statement no longer matches the table (`cached plan must not change
+/// result type` after an `ALTER`): the connection must be replaced to plan it anew.
+pub fn is_stale_plan(error: &sqlx::Error) -> bool {
+    sqlstate(error).as_deref() == Some("0A000")
+}
+
+/// Serialization failures and deadlocks: the transaction lost a race and may simply be run
+/// again. Counted against the pipeline's retry budget, unlike connection errors.
+pub fn is_conflict(error: &sqlx::Error) -> bool {
+    matches!(sqlstate(error).as_deref(), Some("40001" | "40P01"))
+}
+
+/// The SQLSTATE of a retried error, or `connection` when the server gave none: a metric label.
+pub fn retry_label(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(_) => sqlstate(error).unwrap_or_else(|| "unknown".to_string()),
+        _ => "connection".to_string(),
+    }
+}
+
+/// The database's own words, with its SQLSTATE when it gave one.
+pub fn describe(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(database_error) => match database_error.code() {
+            Some(code) => format!("{} (SQLSTATE {code})", database_error.message()),
+            None => database_error.message().to_string(),
+        },
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_are_transient_from_any_origin() {
+        let error = sqlx::Error::Io(std::io::Error::other("reset"));
+        assert_eq!(classify(&error, Origin::Effect), Fault::Transient);
+        assert_eq!(classify(&error, Origin::Host), Fault::Transient);
+    }
+
+    #[test]
+    fn class_lists_do_not_overlap() {
+        for class in MESSAGE_CLASSES {
+            assert!(!CONFIG_CLASSES.contains(&class), "{class} in both lists");
+        }
+    }
+}
