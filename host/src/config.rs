@@ -40,7 +40,7 @@ pub struct DatabaseConfig {
     pub max_connections: NonZeroU32,
     /// The server ends a host session left idle inside a transaction this long
     /// (`idle_in_transaction_session_timeout`), releasing its claim locks: a host that died or
-    /// lost its connection mid-transaction cannot hold a key. Default 30 s.
+    /// lost its connection mid-transaction cannot hold a key. Default 20 s.
     #[serde(default = "default_idle_in_transaction", deserialize_with = "duration")]
     pub idle_in_transaction_timeout: Duration,
     /// The server probes a silent client connection after this long (TCP keepalive, then
@@ -168,7 +168,7 @@ pub struct TransactionConfig {
     #[serde(default, deserialize_with = "interpolated_option")]
     pub role: Option<String>,
     /// The server cancels any one statement of the transaction after this long
-    /// (`SET LOCAL statement_timeout`; 57014, retried). Default 15 s; `0s` turns it off.
+    /// (`SET LOCAL statement_timeout`; 57014, retried). Default 10 s; `0s` turns it off.
     #[serde(default = "default_statement_timeout", deserialize_with = "duration")]
     pub statement_timeout: Duration,
     /// The server gives up waiting for a lock after this long (`SET LOCAL lock_timeout`;
@@ -177,7 +177,7 @@ pub struct TransactionConfig {
     pub lock_timeout: Duration,
     /// The host's deadline for the whole transaction, from taking a connection to `COMMIT`'s
     /// answer. Past it the connection is abandoned (closed, never reused) and the transaction
-    /// retried on a new one: this is what notices a half-open connection. Default 30 s.
+    /// retried on a new one: this is what notices a half-open connection. Default 20 s.
     #[serde(default = "default_transaction_timeout", deserialize_with = "duration")]
     pub timeout: Duration,
 }
@@ -645,7 +645,7 @@ fn default_linger() -> Duration {
 }
 
 fn default_statement_timeout() -> Duration {
-    Duration::from_secs(15)
+    Duration::from_secs(10)
 }
 
 fn default_lock_timeout() -> Duration {
@@ -653,11 +653,11 @@ fn default_lock_timeout() -> Duration {
 }
 
 fn default_transaction_timeout() -> Duration {
-    Duration::from_secs(30)
+    Duration::from_secs(20)
 }
 
 fn default_idle_in_transaction() -> Duration {
-    Duration::from_secs(30)
+    Duration::from_secs(20)
 }
 
 fn default_keepalive() -> Duration {
