@@ -48,6 +48,41 @@ pub struct DatabaseConfig {
     /// Default 30 s.
     #[serde(default = "default_keepalive", deserialize_with = "duration")]
     pub keepalive: Duration,
+    /// TLS settings; each one set here overrides the URL's `sslmode`, `sslrootcert`,
+    /// `sslcert` or `sslkey` (which are honoured as libpq does).
+    #[serde(default)]
+    pub tls: Option<DatabaseTls>,
+}
+
+/// The `[database.tls]` table. Relative paths resolve against the config file's directory.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseTls {
+    /// As libpq's `sslmode`: disable | allow | prefer (the default) | require | verify-ca |
+    /// verify-full.
+    pub mode: Option<SslMode>,
+    /// PEM file of the certificate authorities that may sign the server's certificate
+    /// (`sslrootcert`); without it, the Mozilla roots.
+    #[serde(default, deserialize_with = "interpolated_path_option")]
+    pub root_cert: Option<PathBuf>,
+    /// PEM client certificate (`sslcert`), for servers that require one.
+    #[serde(default, deserialize_with = "interpolated_path_option")]
+    pub cert: Option<PathBuf>,
+    /// PEM private key of the client certificate (`sslkey`).
+    #[serde(default, deserialize_with = "interpolated_path_option")]
+    pub key: Option<PathBuf>,
+}
+
+/// libpq's `sslmode` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SslMode {
+    Disable,
+    Allow,
+    Prefer,
+    Require,
+    VerifyCa,
+    VerifyFull,
 }
 
 /// The `[amqp]` table.
@@ -500,7 +535,18 @@ impl Config {
         }
         Ok(Config {
             path: path.to_path_buf(),
-            database: file.database,
+            database: {
+                let mut database = file.database;
+                if let Some(tls) = &mut database.tls {
+                    for path in [&mut tls.root_cert, &mut tls.cert, &mut tls.key]
+                        .into_iter()
+                        .flatten()
+                    {
+                        *path = base_dir.join(&*path);
+                    }
+                }
+                database
+            },
             amqp: file.amqp,
             http,
             pipelines,
@@ -794,6 +840,12 @@ fn interpolated_option<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<String>, D::Error> {
     interpolated(deserializer).map(Some)
+}
+
+fn interpolated_path_option<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<PathBuf>, D::Error> {
+    Ok(interpolated_option(deserializer)?.map(PathBuf::from))
 }
 
 fn interpolated_path<'de, D: Deserializer<'de>>(deserializer: D) -> Result<PathBuf, D::Error> {

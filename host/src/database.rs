@@ -4,12 +4,12 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::migrate::{MigrateError, Migrator};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::backoff::Backoff;
-use crate::config::{DatabaseConfig, PipelineConfig, redact_url};
+use crate::config::{DatabaseConfig, DatabaseTls, PipelineConfig, SslMode, redact_url};
 
 /// The host's own tables (`processed_messages`), embedded at build time.
 pub static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
@@ -20,6 +20,13 @@ pub enum DatabaseError {
     Connect {
         endpoint: String,
         source: sqlx::Error,
+    },
+    /// A connection failure no retry can fix: the operator must change `setting`.
+    #[error("PostgreSQL at {endpoint} refused the connection: {reason}; check {setting}")]
+    Refused {
+        endpoint: String,
+        reason: String,
+        setting: &'static str,
     },
     #[error("migrating {endpoint} failed: {source}")]
     Migrate {
@@ -42,11 +49,21 @@ pub enum DatabaseError {
 
 /// Builds the pool, trying once.
 pub async fn connect_once(config: &DatabaseConfig) -> Result<PgPool, DatabaseError> {
-    let connect_error = |source| DatabaseError::Connect {
-        endpoint: redact_url(&config.url),
-        source,
+    let connect_error = |source: sqlx::Error| match refused_setting(&source) {
+        Some(setting) => DatabaseError::Refused {
+            endpoint: redact_url(&config.url),
+            reason: crate::fault::describe(&source),
+            setting,
+        },
+        None => DatabaseError::Connect {
+            endpoint: redact_url(&config.url),
+            source,
+        },
     };
     let mut options: PgConnectOptions = config.url.parse().map_err(connect_error)?;
+    if let Some(tls) = &config.tls {
+        options = with_tls(options, tls);
+    }
     if options.get_application_name().is_none() {
         // Visible in pg_stat_activity, so an operator can tell idem's sessions apart.
         options = options.application_name("idem");
@@ -58,6 +75,75 @@ pub async fn connect_once(config: &DatabaseConfig) -> Result<PgPool, DatabaseErr
         .connect_with(options)
         .await
         .map_err(connect_error)
+}
+
+/// The `[database.tls]` settings over the URL's.
+fn with_tls(mut options: PgConnectOptions, tls: &DatabaseTls) -> PgConnectOptions {
+    if let Some(mode) = tls.mode {
+        options = options.ssl_mode(match mode {
+            SslMode::Disable => PgSslMode::Disable,
+            SslMode::Allow => PgSslMode::Allow,
+            SslMode::Prefer => PgSslMode::Prefer,
+            SslMode::Require => PgSslMode::Require,
+            SslMode::VerifyCa => PgSslMode::VerifyCa,
+            SslMode::VerifyFull => PgSslMode::VerifyFull,
+        });
+    }
+    if let Some(root_cert) = &tls.root_cert {
+        options = options.ssl_root_cert(root_cert);
+    }
+    if let Some(cert) = &tls.cert {
+        options = options.ssl_client_cert(cert);
+    }
+    if let Some(key) = &tls.key {
+        options = options.ssl_client_key(key);
+    }
+    options
+}
+
+const TLS_SETTINGS: &str =
+    "sslmode, sslrootcert, sslcert and sslkey in [database] url (or [database.tls])";
+
+/// The setting to change when a connection failure is one no retry can fix: the server
+/// refused the credentials or the database, or TLS could not be set up as configured. A
+/// refused or unreachable address is not among them: it is retried.
+fn refused_setting(error: &sqlx::Error) -> Option<&'static str> {
+    match error {
+        sqlx::Error::Database(database_error) => match database_error.code().as_deref() {
+            Some("28P01" | "28000") => Some("the user and password in [database] url"),
+            Some("3D000") => Some("the database name in [database] url"),
+            _ => None,
+        },
+        sqlx::Error::Tls(_) => Some(TLS_SETTINGS),
+        // The handshake's verdict (an untrusted or mismatched certificate) arrives as an I/O
+        // error carrying the TLS error; a network failure carries none.
+        sqlx::Error::Io(io_error)
+            if io_error
+                .get_ref()
+                .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some()) =>
+        {
+            Some(TLS_SETTINGS)
+        }
+        sqlx::Error::Configuration(_) => Some("[database] url"),
+        _ => None,
+    }
+}
+
+/// How the pool's sessions talk to the server: `TLSv1.3 TLS_AES_256_GCM_SHA384`, or
+/// `not encrypted`.
+pub async fn encryption(pool: &PgPool) -> Result<String, sqlx::Error> {
+    let row: Option<(bool, Option<String>, Option<String>)> =
+        sqlx::query_as("SELECT ssl, version, cipher FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+            .fetch_optional(pool)
+            .await?;
+    Ok(match row {
+        Some((true, version, cipher)) => format!(
+            "{} {}",
+            version.unwrap_or_default(),
+            cipher.unwrap_or_default()
+        ),
+        _ => "not encrypted".to_string(),
+    })
 }
 
 /// Server settings of every host session, sent at connect: the server ends a session left
@@ -78,22 +164,30 @@ fn session_settings(config: &DatabaseConfig) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// Builds the pool, retrying with backoff while PostgreSQL is unreachable.
-/// Returns `None` if `shutdown` fires first.
-pub async fn connect(config: &DatabaseConfig, shutdown: &CancellationToken) -> Option<PgPool> {
+/// Builds the pool, retrying with backoff while PostgreSQL is unreachable. Returns
+/// `Ok(None)` if `shutdown` fires first, and an error for a refusal no retry can fix (bad
+/// credentials, unknown database, TLS as configured impossible).
+pub async fn connect(
+    config: &DatabaseConfig,
+    shutdown: &CancellationToken,
+) -> Result<Option<PgPool>, DatabaseError> {
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     loop {
         match connect_once(config).await {
             Ok(pool) => {
-                info!(endpoint = %redact_url(&config.url), "Connected to PostgreSQL.");
-                return Some(pool);
+                let encryption = encryption(&pool)
+                    .await
+                    .unwrap_or_else(|error| format!("unknown ({error})"));
+                info!(endpoint = %redact_url(&config.url), %encryption, "Connected to PostgreSQL.");
+                return Ok(Some(pool));
             }
+            Err(refused @ DatabaseError::Refused { .. }) => return Err(refused),
             Err(error) => {
                 let delay = backoff.next_delay();
                 warn!(%error, retry_in_ms = delay.as_millis() as u64, "PostgreSQL unavailable; retrying.");
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
-                    () = shutdown.cancelled() => return None,
+                    () = shutdown.cancelled() => return Ok(None),
                 }
             }
         }

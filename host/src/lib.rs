@@ -89,7 +89,7 @@ pub async fn run_with_metrics(
     let token = CancellationToken::new();
     let trigger = token.clone();
     let serving = async {
-        let Some(pool) = database::connect(&config.database, &token).await else {
+        let Some(pool) = database::connect(&config.database, &token).await? else {
             return Ok(());
         };
         database::check_schema(&pool, &config.database, config.outbox.is_some()).await?;

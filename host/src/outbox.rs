@@ -162,7 +162,13 @@ pub fn spawn_relay(
             pool,
             amqp_url,
             metrics,
-            http: reqwest::Client::new(),
+            // A redirect is not a delivery: following it would turn the POST into a GET to
+            // somewhere else (a login page) and read its 200 as a confirmation. A 3xx is a
+            // failed attempt, with the Location in the row's last error.
+            http: reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .build()
+                .unwrap_or_default(),
             amqp: None,
         };
         info!(
@@ -330,6 +336,18 @@ impl Relay {
                     .map_err(|error| format!("POST {}: {error}", redact_url(&url)))?;
                 if response.status().is_success() {
                     Ok(())
+                } else if response.status().is_redirection() {
+                    let location = response
+                        .headers()
+                        .get(reqwest::header::LOCATION)
+                        .and_then(|location| location.to_str().ok())
+                        .unwrap_or("no Location");
+                    Err(format!(
+                        "POST {} answered {} (to {}): a redirect is not a delivery; point the destination's url at the final endpoint",
+                        redact_url(&url),
+                        response.status(),
+                        redact_url(location)
+                    ))
                 } else {
                     Err(format!(
                         "POST {} answered {}",

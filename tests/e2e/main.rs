@@ -3,6 +3,7 @@
 mod batching;
 mod broker;
 mod claims;
+mod connectivity;
 mod crash;
 mod dedup;
 mod hot_swap;

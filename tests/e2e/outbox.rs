@@ -313,3 +313,68 @@ async fn outbox_parks_a_row_after_its_last_attempt() {
     assert_eq!(env.count("SELECT count(*) FROM receipts").await, 1);
     env.cleanup().await;
 }
+
+/// An endpoint that redirects every POST (a moved endpoint, a login page) never confirmed a
+/// delivery: the 302 is a failed attempt, the row stays pending, nothing follows it to the
+/// page it points at.
+#[tokio::test]
+async fn outbox_does_not_count_a_redirect_as_a_delivery() {
+    let env = TestEnv::new("outbox_redirect").await;
+    let followed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let router = Router::new()
+        .route(
+            "/receipts",
+            post(|| async {
+                (
+                    StatusCode::FOUND,
+                    [(axum::http::header::LOCATION, "/login")],
+                )
+            }),
+        )
+        .route(
+            "/login",
+            axum::routing::any({
+                let followed = Arc::clone(&followed);
+                move || async move {
+                    followed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    StatusCode::OK
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("address").port();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let text = receipts_config(
+        &env,
+        &format!(
+            "[outbox.destinations.receipts]\nkind = \"http\"\nurl = \"http://127.0.0.1:{port}/receipts\"\ntimeout = \"1s\""
+        ),
+    );
+    let config = Config::from_toml(std::path::Path::new("/tmp/idem-outbox-test.toml"), &text)
+        .expect("config");
+    let host = env.start_host(config);
+    env.publish(&order(1, 1, 100)).await;
+    wait_for("a failed attempt", Duration::from_secs(30), || async {
+        env.count("SELECT count(*) FROM idem_outbox WHERE attempts >= 1")
+            .await
+            == 1
+    })
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    let (delivered, last_error): (bool, String) = sqlx::query_as(
+        "SELECT delivered_at IS NOT NULL, coalesce(last_error, '') FROM idem_outbox",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .expect("outbox row");
+    assert!(!delivered, "a 302 was counted as a delivery");
+    assert!(last_error.contains("302"), "{last_error}");
+    assert_eq!(
+        followed.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the redirect was followed"
+    );
+    env.cleanup().await;
+}
