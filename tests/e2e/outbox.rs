@@ -188,11 +188,18 @@ async fn outbox_delivers_each_receipt_once_through_failures_and_a_killed_relay()
         (backlog.pending, backlog.parked, backlog.delivered),
         (0, 0, orders)
     );
+    // Only the rolled-back receipt is dead-lettered. A kill -9 between its copy's confirm
+    // and the original's ack dead-letters it once more after the restart (the copy comes
+    // before the ack, so never fewer): at most two copies, all of order 9999.
     let dead = env.drain(&env.dead_letter_queue).await;
-    assert_eq!(
-        dead.len(),
-        1,
-        "only the rolled-back receipt is dead-lettered"
+    assert!(
+        (1..=2).contains(&dead.len()),
+        "{} dead letters, expected the rolled-back receipt once (twice if the kill fell between its copy and its ack)",
+        dead.len()
+    );
+    assert!(
+        dead.iter().all(|(body, _)| body.contains("9999")),
+        "only the rolled-back receipt is dead-lettered: {dead:?}"
     );
     assert_eq!(env.ready(&env.queue).await, 0);
     eprintln!(
