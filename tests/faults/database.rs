@@ -153,14 +153,7 @@ async fn half_open_connections_are_abandoned_within_60s() {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new("fault_half_open").await;
     let proxy = Proxy::start("127.0.0.1:5432".parse().expect("address")).await;
-    let via_proxy = env
-        .database_url
-        .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
-    let text = env
-        .config_text("loyalty", "")
-        .replace(&env.database_url, &via_proxy);
-    let config = idem_host::config::Config::from_toml(std::path::Path::new("/tmp/h.toml"), &text)
-        .expect("config");
+    let config = config_via_proxy(&env, &proxy);
     let metrics = Arc::new(Metrics::new());
     let published = publish_orders(env.queue.clone(), 1, sized(3_000, 10_000) as i64, 0.1).await;
     let host = env.start_host_with_metrics(config, Arc::clone(&metrics));

@@ -152,6 +152,23 @@ fn write_config(env: &TestEnv, amqp_query: &str) -> PathBuf {
     path
 }
 
+/// The loyalty config with the database reached through `proxy`, in plain text
+/// (`sslmode=disable`) so the proxy can read the protocol (it looks for `COMMIT`).
+fn config_via_proxy(env: &TestEnv, proxy: &Proxy) -> idem_host::config::Config {
+    let proxied = env
+        .database_url
+        .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
+    let separator = if proxied.contains('?') { '&' } else { '?' };
+    let via_proxy = format!("{proxied}{separator}sslmode=disable");
+    let text = env.config_text("loyalty", "").replace(
+        &format!("\"{}\"", env.database_url),
+        &format!("\"{via_proxy}\""),
+    );
+    assert!(text.contains(&via_proxy), "the database URL was rewritten");
+    idem_host::config::Config::from_toml(std::path::Path::new("/tmp/via-proxy.toml"), &text)
+        .expect("config")
+}
+
 fn signal(process: &IdemProcess, signal: &str) {
     let status = Command::new("kill")
         .args([signal, &process.id().to_string()])
@@ -267,14 +284,7 @@ async fn commit_outcome_unknown_is_retried_not_dead_lettered() {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new("fault_commit_unknown").await;
     let proxy = Proxy::start("127.0.0.1:5432".parse().expect("address")).await;
-    let via_proxy = env
-        .database_url
-        .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
-    let text = env
-        .config_text("loyalty", "")
-        .replace(&env.database_url, &via_proxy);
-    let config = idem_host::config::Config::from_toml(std::path::Path::new("/tmp/f.toml"), &text)
-        .expect("config");
+    let config = config_via_proxy(&env, &proxy);
     let metrics = Arc::new(Metrics::new());
     let host = env.start_host_with_metrics(config, Arc::clone(&metrics));
     wait_for("the host to consume", Duration::from_secs(30), || async {
