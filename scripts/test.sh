@@ -9,6 +9,13 @@ cd "$root"
 if ! rustup target list --installed | grep -qx wasm32-wasip2; then
   rustup target add wasm32-wasip2
 fi
+# The Python and JavaScript plugin toolchains (pinned), for the language tests.
+if ! python3 -m pip show componentize-py 2>/dev/null | grep -qx 'Version: 0.25.1'; then
+  python3 -m pip install --quiet --disable-pip-version-check componentize-py==0.25.1
+fi
+if [ ! -d "$root/plugins/loyalty-js/node_modules" ]; then
+  (cd "$root/plugins/loyalty-js" && npm ci --no-audit --no-fund --loglevel=error)
+fi
 # The crash tests run the real binary; build it before the tests look for it.
 cargo build -p idem-host --bin idem
 cargo test --workspace "$@"
