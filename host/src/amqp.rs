@@ -186,7 +186,17 @@ pub async fn connect_channel(
 /// The depth of `queue`, or `None` if it does not exist.
 pub async fn queue_depth(amqp_url: &str, queue: &str) -> Result<Option<QueueDepth>, AmqpError> {
     let (connection, channel) = connect_channel(amqp_url, "status").await?;
-    let declared = channel
+    let declared = inspect(&channel, queue).await;
+    let _ = connection.close(200, ShortString::from("done")).await;
+    Ok(declared.ok().map(|declared| QueueDepth {
+        ready: declared.message_count(),
+        consumers: declared.consumer_count(),
+    }))
+}
+
+/// Declares `queue` passively: its depth and consumers, or an error if it does not exist.
+async fn inspect(channel: &Channel, queue: &str) -> Result<lapin::Queue, lapin::Error> {
+    channel
         .queue_declare(
             ShortString::from(queue),
             QueueDeclareOptions {
@@ -195,12 +205,7 @@ pub async fn queue_depth(amqp_url: &str, queue: &str) -> Result<Option<QueueDept
             },
             FieldTable::default(),
         )
-        .await;
-    let _ = connection.close(200, ShortString::from("done")).await;
-    Ok(declared.ok().map(|declared| QueueDepth {
-        ready: declared.message_count(),
-        consumers: declared.consumer_count(),
-    }))
+        .await
 }
 
 /// Moves up to `limit` messages from the pipeline's dead-letter queue back to its queue,
@@ -223,15 +228,7 @@ pub async fn replay(
         })?;
     // One pass over what is there now: a message that fails again during the replay goes
     // back to the dead-letter queue and must not be replayed again by this run.
-    let waiting = channel
-        .queue_declare(
-            ShortString::from(pipeline.dead_letter_queue.as_str()),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    let waiting = inspect(&channel, &pipeline.dead_letter_queue)
         .await
         .map_err(|source| AmqpError::Topology {
             action: "inspect",
