@@ -89,9 +89,29 @@ pub enum SslMode {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AmqpConfig {
-    /// An `amqp://` URL, vhost included (`%2f` for `/`).
+    /// An `amqp://` or `amqps://` (TLS) URL, vhost included (`%2f` for `/`).
     #[serde(deserialize_with = "interpolated")]
     pub url: String,
+    /// TLS settings for an `amqps://` URL.
+    #[serde(default)]
+    pub tls: Option<AmqpTls>,
+}
+
+/// The `[amqp.tls]` table. Relative paths resolve against the config file's directory.
+/// The broker's certificate must always name the URL's host.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AmqpTls {
+    /// PEM file of the certificate authorities that may sign the broker's certificate, trusted
+    /// besides the system's roots.
+    #[serde(default, deserialize_with = "interpolated_path_option")]
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate, for brokers that require one (mutual TLS).
+    #[serde(default, deserialize_with = "interpolated_path_option")]
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key of the client certificate.
+    #[serde(default, deserialize_with = "interpolated_path_option")]
+    pub key_file: Option<PathBuf>,
 }
 
 /// The `[http]` table.
@@ -129,6 +149,13 @@ pub struct PipelineConfig {
     pub batch: BatchConfig,
     /// Where rejected messages go, with the reason in their headers.
     pub dead_letter_queue: String,
+    /// The queue's type when idem declares it (and its dead-letter queue).
+    pub queue_type: QueueType,
+    /// Extra `x-…` arguments the queue is declared with (`x-delivery-limit`, `x-max-length`…).
+    pub queue_arguments: BTreeMap<String, QueueArgument>,
+    /// `false`: the queue belongs to infrastructure code; idem checks it exists and never
+    /// declares or changes it.
+    pub declare: bool,
     /// How many times a message is tried when the plugin says its failure is retryable.
     pub max_attempts: NonZeroU32,
     pub limits: PluginLimits,
@@ -140,6 +167,35 @@ pub struct PipelineConfig {
     pub watch: bool,
     /// Named SQL statements, by name.
     pub statements: BTreeMap<String, String>,
+}
+
+/// A RabbitMQ queue type.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueType {
+    /// A single-node queue (RabbitMQ's default).
+    #[default]
+    Classic,
+    /// A replicated Raft queue, with a delivery limit; what replicated setups use.
+    Quorum,
+}
+
+impl QueueType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+        }
+    }
+}
+
+/// One `queue_arguments` value, as TOML writes it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum QueueArgument {
+    Integer(i64),
+    Boolean(bool),
+    Text(String),
 }
 
 /// How a message is recognised as already applied.
@@ -297,6 +353,10 @@ pub enum Destination {
         url: String,
         #[serde(default = "default_http_timeout", deserialize_with = "duration")]
         timeout: Duration,
+        /// For an `https://` url: PEM file of the only certificate authorities trusted to
+        /// sign the endpoint's certificate (default: the system's roots).
+        #[serde(default, deserialize_with = "interpolated_path_option")]
+        ca_file: Option<PathBuf>,
     },
     /// Publish to `exchange` on the `[amqp]` broker with publisher confirms, persistent,
     /// `mandatory` (an unroutable message is a failed attempt), `message-id` = the key.
@@ -382,18 +442,32 @@ impl Config {
         let file: PipelinesFile =
             toml::from_str(text).map_err(|error| invalid(error.to_string()))?;
         let base_dir = path.parent().unwrap_or(Path::new("."));
+        let amqp_span = file.amqp.span();
         let outbox = match file.outbox {
             Some(spanned) => {
                 let span = spanned.span();
-                let outbox = spanned.into_inner();
-                for (destination, kind) in &outbox.destinations {
-                    if let Destination::Http { url, .. } = kind
-                        && !url.starts_with("http://")
-                    {
+                let mut outbox = spanned.into_inner();
+                for (destination, kind) in &mut outbox.destinations {
+                    let Destination::Http { url, ca_file, .. } = kind else {
+                        continue;
+                    };
+                    let problem = if !url.starts_with("http://") && !url.starts_with("https://") {
+                        Some(format!("url: {url:?} must be an http:// or https:// URL"))
+                    } else if ca_file.is_some() && !url.starts_with("https://") {
+                        Some(format!(
+                            "ca_file: only used with an https:// url, not {url:?}"
+                        ))
+                    } else {
+                        None
+                    };
+                    if let Some(problem) = problem {
                         return Err(invalid(format!(
-                            "line {}: outbox.destinations.{destination}.url: {url:?} must be an http:// URL (idem speaks plain HTTP; put a TLS-terminating proxy in front of https endpoints)",
+                            "line {}: outbox.destinations.{destination}.{problem}",
                             line_of(text, span.start)
                         )));
+                    }
+                    if let Some(ca_file) = ca_file {
+                        *ca_file = base_dir.join(&*ca_file);
                     }
                 }
                 Some(outbox)
@@ -480,6 +554,31 @@ impl Config {
                     "pipelines.{name}.dead_letter_queue: must differ from the queue {queue:?}"
                 )));
             }
+            let queue_arguments = match raw.queue_arguments {
+                Some(arguments) => {
+                    let span = arguments.span();
+                    for argument in arguments.get_ref().keys() {
+                        if !argument.starts_with("x-") || argument == "x-queue-type" {
+                            return Err(at(
+                                span,
+                                "queue_arguments",
+                                format!(
+                                    "{argument:?}: queue arguments are RabbitMQ's `x-…` names; the type is set with queue_type"
+                                ),
+                            ));
+                        }
+                    }
+                    if !raw.declare && !arguments.get_ref().is_empty() {
+                        return Err(at(
+                            span,
+                            "queue_arguments",
+                            "with declare = false idem never declares the queue, so its arguments are the infrastructure's to set; remove queue_arguments".into(),
+                        ));
+                    }
+                    arguments.into_inner()
+                }
+                None => BTreeMap::new(),
+            };
             if raw.transaction.timeout < Duration::from_secs(1) {
                 return Err(invalid(format!(
                     "pipelines.{name}.transaction.timeout: {:?} is too short; the host's deadline for a transaction must be at least 1s",
@@ -497,6 +596,9 @@ impl Config {
                 workers: raw.workers,
                 batch: raw.batch,
                 dead_letter_queue,
+                queue_type: raw.queue_type,
+                queue_arguments,
+                declare: raw.declare,
                 max_attempts: raw.max_attempts,
                 limits: raw.limits,
                 retention: raw.retention,
@@ -547,7 +649,12 @@ impl Config {
                 }
                 database
             },
-            amqp: file.amqp,
+            amqp: checked_amqp(file.amqp.into_inner(), base_dir).map_err(|problem| {
+                invalid(format!(
+                    "line {}: amqp.{problem}",
+                    line_of(text, amqp_span.start)
+                ))
+            })?,
             http,
             pipelines,
             outbox,
@@ -602,7 +709,7 @@ impl Default for PluginLimits {
 #[serde(deny_unknown_fields)]
 struct PipelinesFile {
     database: DatabaseConfig,
-    amqp: AmqpConfig,
+    amqp: Spanned<AmqpConfig>,
     http: Option<Spanned<HttpConfig>>,
     #[serde(default)]
     pipelines: BTreeMap<String, RawPipeline>,
@@ -630,6 +737,11 @@ struct RawPipeline {
     batch: BatchConfig,
     #[serde(default, deserialize_with = "interpolated_option")]
     dead_letter_queue: Option<String>,
+    #[serde(default)]
+    queue_type: QueueType,
+    queue_arguments: Option<Spanned<BTreeMap<String, QueueArgument>>>,
+    #[serde(default = "default_declare")]
+    declare: bool,
     #[serde(default = "default_max_attempts")]
     max_attempts: NonZeroU32,
     #[serde(default)]
@@ -666,6 +778,43 @@ fn default_every() -> Duration {
 fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(deserializer)?;
     parse_duration(&text).map_err(serde::de::Error::custom)
+}
+
+/// The `[amqp]` table with its URL checked and its TLS paths resolved; the problem names the
+/// key.
+fn checked_amqp(mut amqp: AmqpConfig, base_dir: &Path) -> Result<AmqpConfig, String> {
+    let uri: lapin::uri::AMQPUri = amqp.url.parse().map_err(|error| {
+        format!(
+            "url: {:?} is not an AMQP URL: {error}",
+            redact_url(&amqp.url)
+        )
+    })?;
+    let secure = matches!(uri.scheme, lapin::uri::AMQPScheme::AMQPS);
+    if let Some(tls) = &mut amqp.tls {
+        if !secure {
+            return Err(format!(
+                "tls: set, but url {:?} is not amqps:// (TLS)",
+                redact_url(&amqp.url)
+            ));
+        }
+        if tls.cert_file.is_some() != tls.key_file.is_some() {
+            return Err(
+                "tls: cert_file and key_file go together (the client certificate and its key)"
+                    .into(),
+            );
+        }
+        for path in [&mut tls.ca_file, &mut tls.cert_file, &mut tls.key_file]
+            .into_iter()
+            .flatten()
+        {
+            *path = base_dir.join(&*path);
+        }
+    }
+    Ok(amqp)
+}
+
+fn default_declare() -> bool {
+    true
 }
 
 fn default_watch() -> bool {
@@ -1041,5 +1190,87 @@ credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
             &format!("{VALID}\n[http]\nlisten = \"0.0.0.0:9464\"\n"),
             &["http.admin_token: required"],
         );
+    }
+
+    #[test]
+    fn connectivity_settings_are_checked() {
+        let tls = |url: &str, table: &str| {
+            VALID.replace(
+                "[amqp]\nurl = \"amqp://127.0.0.1\"\n",
+                &format!("[amqp]\nurl = \"{url}\"\n\n[amqp.tls]\n{table}\n"),
+            )
+        };
+        check_error(
+            &tls("amqp://127.0.0.1", "ca_file = \"ca.pem\""),
+            &["line 5", "amqp.tls", "not amqps://"],
+        );
+        check_error(
+            &tls("amqps://127.0.0.1", "cert_file = \"client.pem\""),
+            &["amqp.tls", "cert_file and key_file go together"],
+        );
+        check_error(
+            &VALID.replace("amqp://127.0.0.1", "http://127.0.0.1"),
+            &["amqp.url", "is not an AMQP URL"],
+        );
+        let config = Config::from_toml(
+            Path::new("/etc/idem/pipelines.toml"),
+            &tls("amqps://127.0.0.1", "ca_file = \"ca.pem\""),
+        )
+        .expect("amqps with a CA");
+        assert_eq!(
+            config.amqp.tls.and_then(|tls| tls.ca_file),
+            Some(PathBuf::from("/etc/idem/ca.pem"))
+        );
+
+        let queue = |keys: &str| {
+            VALID.replace(
+                "plugin = \"plugins/loyalty.wasm\"\n",
+                &format!("plugin = \"plugins/loyalty.wasm\"\n{keys}\n"),
+            )
+        };
+        check_error(
+            &queue("declare = false\nqueue_arguments = { \"x-delivery-limit\" = 5 }"),
+            &[
+                "line 12",
+                "pipelines.loyalty.queue_arguments",
+                "declare = false",
+            ],
+        );
+        check_error(
+            &queue("queue_arguments = { \"x-queue-type\" = \"quorum\" }"),
+            &["pipelines.loyalty.queue_arguments", "queue_type"],
+        );
+        check_error(&queue("queue_type = \"stream\""), &["queue_type", "quorum"]);
+        let config = Config::from_toml(
+            Path::new("/etc/idem/pipelines.toml"),
+            &queue("queue_type = \"quorum\"\nqueue_arguments = { \"x-delivery-limit\" = 5 }"),
+        )
+        .expect("a quorum queue");
+        assert_eq!(config.pipelines[0].queue_type, QueueType::Quorum);
+        assert_eq!(
+            config.pipelines[0].queue_arguments.get("x-delivery-limit"),
+            Some(&QueueArgument::Integer(5))
+        );
+
+        let destination =
+            |keys: &str| format!("{VALID}\n[outbox.destinations.hook]\nkind = \"http\"\n{keys}\n");
+        check_error(
+            &destination("url = \"ftp://example.com\""),
+            &["outbox.destinations.hook.url", "http:// or https://"],
+        );
+        check_error(
+            &destination("url = \"http://example.com\"\nca_file = \"ca.pem\""),
+            &["outbox.destinations.hook.ca_file", "https://"],
+        );
+        let config = Config::from_toml(
+            Path::new("/etc/idem/pipelines.toml"),
+            &destination("url = \"https://example.com\"\nca_file = \"ca.pem\""),
+        )
+        .expect("an https destination");
+        let outbox = config.outbox.expect("outbox");
+        assert!(matches!(
+            outbox.destinations.get("hook"),
+            Some(Destination::Http { ca_file: Some(path), .. }) if path == Path::new("/etc/idem/ca.pem")
+        ));
     }
 }

@@ -49,6 +49,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
+use crate::amqp::AmqpError;
 use crate::config::Config;
 use crate::database::DatabaseError;
 use crate::http::HttpError;
@@ -68,6 +69,10 @@ pub enum StartError {
     Pipeline(#[from] PipelineError),
     #[error(transparent)]
     Http(#[from] HttpError),
+    #[error(transparent)]
+    Amqp(#[from] AmqpError),
+    #[error(transparent)]
+    Destination(#[from] outbox::DestinationError),
 }
 
 /// Runs every pipeline of `config` until `shutdown` completes, then drains: stops consuming,
@@ -111,8 +116,9 @@ pub async fn run_with_metrics(
         if let Some(outbox_config) = config.outbox.as_ref().filter(|outbox| outbox.relay) {
             outbox::spawn_relay(
                 outbox_config.clone(),
+                outbox::http_clients(outbox_config)?,
                 pool.clone(),
-                config.amqp.url.clone(),
+                config.amqp.clone(),
                 Arc::clone(&metrics),
                 relay,
                 token.clone(),
@@ -143,17 +149,27 @@ pub async fn run_with_metrics(
         for pipeline in &pipelines {
             consumers.spawn(pipeline::consume(
                 Arc::clone(pipeline),
-                config.amqp.url.clone(),
+                config.amqp.clone(),
                 token.clone(),
             ));
         }
         info!(pipelines = pipelines.len(), "idem is running.");
-        while consumers.join_next().await.is_some() {}
+        let mut refused = None;
+        while let Some(ended) = consumers.join_next().await {
+            if let Ok(Err(error)) = ended {
+                // A refusal no retry can fix: stop every pipeline and say which setting.
+                token.cancel();
+                refused.get_or_insert(error);
+            }
+        }
         if let Some(http) = http {
             let _ = http.await;
         }
         pool.close().await;
-        Ok(())
+        match refused {
+            Some(error) => Err(error.into()),
+            None => Ok(()),
+        }
     };
     tokio::pin!(serving);
     tokio::select! {

@@ -54,10 +54,14 @@ enum Command {
         #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
         config: PathBuf,
     },
-    /// Validate the config, compile every plugin and prepare every statement; list every problem.
+    /// Validate the config, compile every plugin, prepare every statement, and check RabbitMQ
+    /// (credentials, vhost, every queue's existence and arguments); list every problem.
     Check {
         #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
         config: PathBuf,
+        /// Check the file and the plugins only; contact neither PostgreSQL nor RabbitMQ.
+        #[arg(long)]
+        offline: bool,
     },
     /// Delete claims older than each pipeline's retention window, in batches, once.
     Cleanup {
@@ -155,7 +159,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             println!("migrations applied");
             Ok(ExitCode::SUCCESS)
         }
-        Command::Check { config } => check(&config).await,
+        Command::Check { config, offline } => check(&config, offline).await,
         Command::Cleanup { config } => {
             let config = Config::load(&config)?;
             let pool = database::connect_once(&config.database).await?;
@@ -234,7 +238,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let pipeline_config = config.pipeline(&pipeline).with_context(|| {
                 format!("no pipeline {pipeline:?} in {}", config.path.display())
             })?;
-            let moved = amqp::replay(&config.amqp.url, pipeline_config, limit).await?;
+            let moved = amqp::replay(&config.amqp, pipeline_config, limit).await?;
             println!(
                 "replayed {moved} messages from {:?} to {:?}",
                 pipeline_config.dead_letter_queue, pipeline_config.queue
@@ -251,10 +255,15 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
 }
 
 /// Collects every problem instead of stopping at the first.
-async fn check(path: &Path) -> anyhow::Result<ExitCode> {
+async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
     let config = Config::load(path)?;
     let runtime = PluginRuntime::new()?;
     let mut problems = Vec::new();
+    if let Some(outbox) = &config.outbox
+        && let Err(error) = idem_host::outbox::http_clients(outbox)
+    {
+        problems.push(error.to_string());
+    }
     for pipeline_config in &config.pipelines {
         match pipeline::load_plugin(&runtime, pipeline_config).await {
             Ok(plugin) => println!(
@@ -266,6 +275,14 @@ async fn check(path: &Path) -> anyhow::Result<ExitCode> {
             Err(error) => problems.push(error.to_string()),
         }
     }
+    if offline {
+        return Ok(verdict(
+            &config,
+            &problems,
+            " (offline: PostgreSQL and RabbitMQ not checked)",
+        ));
+    }
+    check_broker(&config, &mut problems).await;
     match database::connect_once(&config.database).await {
         Err(error) => problems.push(error.to_string()),
         Ok(pool) => {
@@ -288,16 +305,64 @@ async fn check(path: &Path) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    for problem in &problems {
+    Ok(verdict(&config, &problems, ""))
+}
+
+fn verdict(config: &Config, problems: &[String], note: &str) -> ExitCode {
+    for problem in problems {
         println!("FAIL {problem}");
     }
     if problems.is_empty() {
-        println!("{} is ready to run", config.path.display());
-        Ok(ExitCode::SUCCESS)
+        println!("{} is ready to run{note}", config.path.display());
+        ExitCode::SUCCESS
     } else {
-        println!("{} problem(s) found", problems.len());
-        Ok(ExitCode::FAILURE)
+        println!("{} problem(s) found{note}", problems.len());
+        ExitCode::FAILURE
     }
+}
+
+/// Connects to RabbitMQ as `idem run` would and checks every pipeline's queues without
+/// declaring any.
+async fn check_broker(config: &Config, problems: &mut Vec<String>) {
+    use amqp::topology::{self, Found, Role};
+    let endpoint = idem_host::config::redact_url(&config.amqp.url);
+    let connection = match amqp::connect(&config.amqp, "idem check".into()).await {
+        Ok(connection) => connection,
+        Err(error) => {
+            problems.push(error.to_string());
+            return;
+        }
+    };
+    println!("ok   RabbitMQ at {endpoint}: credentials and vhost accepted");
+    for pipeline_config in &config.pipelines {
+        for role in [Role::Consumed, Role::DeadLetter] {
+            let queue = role.queue(pipeline_config);
+            let label = match role {
+                Role::Consumed => "queue",
+                Role::DeadLetter => "dead-letter queue",
+            };
+            let declared = topology::describe(pipeline_config, role);
+            match topology::ensure(&connection, pipeline_config, role, false).await {
+                Ok(Found::Exists { ready, .. }) => {
+                    let how = if pipeline_config.declare {
+                        format!("matches {declared}")
+                    } else {
+                        "used as your infrastructure declared it".to_string()
+                    };
+                    println!(
+                        "ok   pipeline {:?}: {label} {queue:?} exists ({how}; {ready} ready)",
+                        pipeline_config.name
+                    );
+                }
+                Ok(Found::Missing | Found::Declared) => println!(
+                    "ok   pipeline {:?}: {label} {queue:?} will be declared by idem run ({declared})",
+                    pipeline_config.name
+                ),
+                Err(error) => problems.push(error.to_string()),
+            }
+        }
+    }
+    let _ = connection.close(200, "check done".into()).await;
 }
 
 async fn status(path: &Path) -> anyhow::Result<ExitCode> {
@@ -320,7 +385,7 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             ("queue", &pipeline_config.queue),
             ("dead letters", &pipeline_config.dead_letter_queue),
         ] {
-            let depth = match amqp::queue_depth(&config.amqp.url, queue).await {
+            let depth = match amqp::queue_depth(&config.amqp, queue).await {
                 Ok(Some(depth)) => format!("{} ready, {} consumers", depth.ready, depth.consumers),
                 Ok(None) => "not declared yet".to_string(),
                 Err(error) => format!("unknown ({error})"),
@@ -464,7 +529,9 @@ async fn shutdown_signal() {
 
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        // lapin logs every failed connection attempt as an error of its own; the host says
+        // what failed and what it does about it (`RUST_LOG=lapin=debug` shows lapin's side).
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

@@ -8,20 +8,22 @@
 //! a relay that dies between the destination's confirmation and its own commit delivers the
 //! row again, with the same idempotency key, so the destination can drop the repeat.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Connection};
 use sqlx::{PgPool, Postgres, Row, Transaction};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::amqp;
 use crate::backoff::Backoff;
-use crate::config::{Destination, OutboxConfig, redact_url};
+use crate::config::{AmqpConfig, Destination, OutboxConfig, redact_url};
 use crate::effect::OutboxMessage;
 use crate::metrics::Metrics;
 
@@ -147,11 +149,66 @@ struct Pending {
     attempts: i32,
 }
 
+/// A destination's settings that cannot work: the host does not start.
+#[derive(Debug, thiserror::Error)]
+#[error("outbox.destinations.{destination}.{key}: {reason}")]
+pub struct DestinationError {
+    destination: String,
+    key: &'static str,
+    reason: String,
+}
+
+/// One HTTP client per HTTP destination, trusting the destination's `ca_file` alone when it
+/// has one (the system's roots otherwise).
+pub fn http_clients(
+    config: &OutboxConfig,
+) -> Result<BTreeMap<String, reqwest::Client>, DestinationError> {
+    let mut clients = BTreeMap::new();
+    for (name, destination) in &config.destinations {
+        let Destination::Http { ca_file, .. } = destination else {
+            continue;
+        };
+        let failed = |key, reason: String| DestinationError {
+            destination: name.clone(),
+            key,
+            reason,
+        };
+        // A redirect is not a delivery: following it would turn the POST into a GET to
+        // somewhere else (a login page) and read its 200 as a confirmation. A 3xx is a
+        // failed attempt, with the Location in the row's last error.
+        let mut builder = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none());
+        if let Some(ca_file) = ca_file {
+            let pem = std::fs::read(ca_file).map_err(|error| {
+                failed(
+                    "ca_file",
+                    format!("cannot read {}: {error}", ca_file.display()),
+                )
+            })?;
+            let authorities = reqwest::Certificate::from_pem_bundle(&pem)
+                .ok()
+                .filter(|authorities| !authorities.is_empty())
+                .ok_or_else(|| {
+                    failed(
+                        "ca_file",
+                        format!("{} holds no PEM certificate", ca_file.display()),
+                    )
+                })?;
+            builder = builder.tls_certs_only(authorities);
+        }
+        let client = builder
+            .build()
+            .map_err(|error| failed("url", error_chain(&error)))?;
+        clients.insert(name.clone(), client);
+    }
+    Ok(clients)
+}
+
 /// Delivers pending rows until `shutdown`; several hosts may run it on the same database.
 pub fn spawn_relay(
     config: OutboxConfig,
+    http: BTreeMap<String, reqwest::Client>,
     pool: PgPool,
-    amqp_url: String,
+    amqp: AmqpConfig,
     metrics: Arc<Metrics>,
     waker: RelayWaker,
     shutdown: CancellationToken,
@@ -160,15 +217,9 @@ pub fn spawn_relay(
         let mut relay = Relay {
             config,
             pool,
-            amqp_url,
+            amqp_config: amqp,
             metrics,
-            // A redirect is not a delivery: following it would turn the POST into a GET to
-            // somewhere else (a login page) and read its 200 as a confirmation. A 3xx is a
-            // failed attempt, with the Location in the row's last error.
-            http: reqwest::Client::builder()
-                .redirect(reqwest::redirect::Policy::none())
-                .build()
-                .unwrap_or_default(),
+            http,
             amqp: None,
         };
         info!(
@@ -227,9 +278,10 @@ const CLEAN_EVERY: Duration = Duration::from_secs(600);
 struct Relay {
     config: OutboxConfig,
     pool: PgPool,
-    amqp_url: String,
+    amqp_config: AmqpConfig,
     metrics: Arc<Metrics>,
-    http: reqwest::Client,
+    /// By destination name.
+    http: BTreeMap<String, reqwest::Client>,
     amqp: Option<(Connection, Channel)>,
 }
 
@@ -313,9 +365,11 @@ impl Relay {
             ));
         };
         match destination {
-            Destination::Http { url, timeout } => {
-                let mut request = self
-                    .http
+            Destination::Http { url, timeout, .. } => {
+                let client = self.http.get(&row.destination).ok_or_else(|| {
+                    format!("destination {:?} has no HTTP client", row.destination)
+                })?;
+                let mut request = client
                     .post(&url)
                     .timeout(timeout)
                     .header("Idempotency-Key", &row.idempotency_key);
@@ -333,7 +387,9 @@ impl Relay {
                     .body(row.payload.clone())
                     .send()
                     .await
-                    .map_err(|error| format!("POST {}: {error}", redact_url(&url)))?;
+                    .map_err(|error| {
+                        format!("POST {}: {}", redact_url(&url), error_chain(&error))
+                    })?;
                 if response.status().is_success() {
                     Ok(())
                 } else if response.status().is_redirection() {
@@ -416,24 +472,31 @@ impl Relay {
         {
             return Ok(channel.clone());
         }
-        let connect = async {
-            let connection =
-                Connection::connect(&self.amqp_url, ConnectionProperties::default()).await?;
-            let channel = connection.create_channel().await?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await?;
-            Ok::<_, lapin::Error>((connection, channel))
-        };
-        let (connection, channel) = connect.await.map_err(|error| {
-            format!(
-                "cannot reach RabbitMQ at {}: {error}",
-                redact_url(&self.amqp_url)
-            )
-        })?;
+        let (connection, channel) = amqp::connect_channel(&self.amqp_config, "outbox relay")
+            .await
+            .map_err(|error| error.to_string())?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|error| format!("enable publisher confirms for the outbox: {error}"))?;
         self.amqp = Some((connection, channel.clone()));
         Ok(channel)
     }
+}
+
+/// An error with its causes, which for a TLS failure name the certificate problem.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 /// Seconds until attempt `attempts + 1`: 1 s doubling to 5 minutes.

@@ -16,7 +16,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::amqp::{self, AmqpError, Receipt, Session};
 use crate::backoff::Backoff;
-use crate::config::{ClaimMode, Isolation, PipelineConfig};
+use crate::config::{AmqpConfig, ClaimMode, Isolation, PipelineConfig};
 use crate::effect::Outcome;
 use crate::failpoint::Failpoint;
 use crate::ledger::Plan;
@@ -309,13 +309,19 @@ pub async fn load_plugin(
 }
 
 /// Consumes the pipeline's queue until `shutdown`, reconnecting to RabbitMQ with backoff.
-pub async fn consume(pipeline: Arc<Pipeline>, amqp_url: String, shutdown: CancellationToken) {
+/// Returns an error only for a refusal no retry can fix (credentials, vhost, TLS, a queue
+/// declared otherwise): the host must stop and say which setting to change.
+pub async fn consume(
+    pipeline: Arc<Pipeline>,
+    amqp: AmqpConfig,
+    shutdown: CancellationToken,
+) -> Result<(), AmqpError> {
     let name = pipeline.config.name.clone();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     while !shutdown.is_cancelled() {
         let opened = tokio::select! {
-            opened = Session::open(&amqp_url, &pipeline.config) => opened,
-            () = shutdown.cancelled() => return,
+            opened = Session::open(&amqp, &pipeline.config) => opened,
+            () = shutdown.cancelled() => return Ok(()),
         };
         let lost = match opened {
             Ok(session) => {
@@ -325,10 +331,11 @@ pub async fn consume(pipeline: Arc<Pipeline>, amqp_url: String, shutdown: Cancel
                 let served = serve(&pipeline, session, &shutdown).await;
                 pipeline.consuming.store(false, Ordering::Relaxed);
                 match served {
-                    Ok(()) => return,
+                    Ok(()) => return Ok(()),
                     Err(error) => error,
                 }
             }
+            Err(error) if error.is_refused() => return Err(error),
             Err(error) => error,
         };
         let delay = backoff.next_delay();
@@ -340,9 +347,10 @@ pub async fn consume(pipeline: Arc<Pipeline>, amqp_url: String, shutdown: Cancel
         );
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
-            () = shutdown.cancelled() => return,
+            () = shutdown.cancelled() => return Ok(()),
         }
     }
+    Ok(())
 }
 
 /// Feeds deliveries to at most `workers` concurrent tasks, up to `batch.size` deliveries per
@@ -538,16 +546,24 @@ async fn tell_broker(
             )
             .await
         }
-        Disposition::Requeue => receipt.requeue().await,
+        Disposition::Requeue => {
+            publish_or_requeue(
+                receipt,
+                receipt.requeue(channel, &pipeline.config.queue).await,
+            )
+            .await
+        }
     }
 }
 
+/// The copy's fate; when the copy could not be published, the original goes back with a
+/// `nack` (or, with its channel gone, is redelivered by the broker).
 async fn publish_or_requeue(receipt: &Receipt, published: Result<bool, AmqpError>) -> bool {
     match published {
         Ok(acked) => acked,
         Err(error) => {
             warn!(%error, "Cannot move the message; returning it to its queue.");
-            receipt.requeue().await
+            receipt.nack_requeue().await
         }
     }
 }

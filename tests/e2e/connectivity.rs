@@ -1,12 +1,14 @@
-//! Production connectivity: TLS to PostgreSQL (sslmode as libpq), and connection refusals no
-//! retry can fix (a certificate nobody trusts, an unknown database) stopping the host with one
-//! line naming the setting, instead of a retry loop.
+//! Production connectivity: TLS to PostgreSQL (sslmode as libpq) and to RabbitMQ (amqps with
+//! mutual TLS), and connection refusals no retry can fix (a certificate nobody trusts, an
+//! unknown database, a wrong password or vhost) stopping the host with one line naming the
+//! setting, instead of a retry loop.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use idem_e2e::{TestEnv, idem_binary, order, wait_for};
+use idem_e2e::tls::{self, Pki, TlsProxy};
+use idem_e2e::{TestEnv, amqp_url, idem_binary, must_refuse, order, wait_for};
 
 /// `?sslmode=require`: every host session is encrypted (the local server has `ssl = on`),
 /// and orders are credited.
@@ -48,59 +50,9 @@ async fn the_host_talks_tls_to_postgres_with_sslmode_require() {
     env.cleanup().await;
 }
 
-/// A self-signed CA that signed nothing the server presents.
+/// A self-signed CA that signed nothing the servers present.
 fn foreign_ca(directory: &Path) -> PathBuf {
-    let key = directory.join("foreign-ca.key");
-    let certificate = directory.join("foreign-ca.pem");
-    let status = Command::new("openssl")
-        .args([
-            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-        ])
-        .args(["-subj", "/CN=idem test foreign CA", "-keyout"])
-        .arg(&key)
-        .arg("-out")
-        .arg(&certificate)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("run openssl (apt-get install openssl)");
-    assert!(status.success(), "openssl req failed");
-    certificate
-}
-
-/// Runs `idem <command> --config <file>`, which must exit non-zero within 10 s; returns its
-/// output.
-fn must_refuse(command: &str, config: &Path) -> String {
-    let started = Instant::now();
-    let mut child = Command::new(idem_binary())
-        .args([command, "--config"])
-        .arg(config)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn idem");
-    loop {
-        if child.try_wait().expect("wait idem").is_some() {
-            break;
-        }
-        if started.elapsed() > Duration::from_secs(10) {
-            let _ = child.kill();
-            let output = child.wait_with_output().expect("output");
-            panic!(
-                "idem {command} still running after 10 s (a retry loop?): {}",
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let output = child.wait_with_output().expect("output");
-    assert!(!output.status.success(), "idem {command} exited 0");
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
+    tls::self_signed_ca(directory, "foreign-ca", "idem test foreign CA")
 }
 
 /// `sslmode=verify-full` with a CA that did not sign the server's certificate: `idem run`
@@ -154,5 +106,129 @@ async fn an_unknown_database_stops_the_host() {
         );
     }
     let _ = std::fs::remove_file(&config);
+    env.cleanup().await;
+}
+
+/// The env's config with `[amqp]` replaced by `amqp` (a table, sub-tables after it).
+fn with_amqp(env: &TestEnv, amqp: &str) -> String {
+    let text = env.config_text("loyalty", "");
+    let plain = format!("[amqp]\nurl = \"{}\"\n", amqp_url());
+    assert!(text.contains(&plain), "config layout changed: {text}");
+    text.replace(&plain, amqp)
+}
+
+fn amqps_table(port: u16, ca: &Path, client: Option<&Pki>) -> String {
+    let mut table = format!(
+        "[amqp]\nurl = \"amqps://guest:guest@localhost:{port}/%2f\"\n\n[amqp.tls]\nca_file = \"{}\"\n",
+        ca.display()
+    );
+    if let Some(pki) = client {
+        table.push_str(&format!(
+            "cert_file = \"{}\"\nkey_file = \"{}\"\n",
+            pki.client_cert.display(),
+            pki.client_key.display()
+        ));
+    }
+    table
+}
+
+/// A PKI in a directory of its own and an amqps endpoint in front of the local RabbitMQ that
+/// requires a client certificate signed by its CA.
+async fn mutual_tls_broker(env: &TestEnv) -> (PathBuf, Pki, TlsProxy) {
+    let directory = std::env::temp_dir().join(format!("{}-pki", env.database));
+    let pki = Pki::new(&directory);
+    let proxy = TlsProxy::start(
+        "127.0.0.1:5672".parse().expect("address"),
+        pki.server_config(true),
+    )
+    .await;
+    (directory, pki, proxy)
+}
+
+/// `amqps://` with a private CA and a client certificate, through a TLS endpoint that requires
+/// one (a TLS-terminating proxy in front of the local RabbitMQ): `idem check` accepts it, and
+/// the host consumes and credits every order over TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_host_consumes_over_amqps_with_mutual_tls() {
+    let env = TestEnv::new("amqps").await;
+    let (directory, pki, proxy) = mutual_tls_broker(&env).await;
+    let text = with_amqp(&env, &amqps_table(proxy.port, &pki.ca, Some(&pki)));
+    let config_path = directory.join("pipelines.toml");
+    std::fs::write(&config_path, &text).expect("write config");
+
+    let checked = Command::new(idem_binary())
+        .args(["check", "--config"])
+        .arg(&config_path)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run idem check");
+    let printed = String::from_utf8_lossy(&checked.stdout);
+    eprintln!("idem check over amqps:\n{printed}");
+    assert!(checked.status.success(), "idem check failed: {printed}");
+    assert!(
+        printed.contains("credentials and vhost accepted"),
+        "{printed}"
+    );
+
+    let config = idem_host::config::Config::from_toml(&config_path, &text).expect("config");
+    let host = env.start_host(config);
+    for order_id in 1..=100 {
+        env.publish(&order(order_id, order_id % 7, 1_000)).await;
+    }
+    wait_for(
+        "100 credits over amqps",
+        Duration::from_secs(60),
+        || async { env.count("SELECT count(*) FROM point_ledger").await == 100 },
+    )
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    env.assert_loyalty_consistent().await;
+    let handshakes = proxy.handshakes();
+    assert!(
+        !handshakes.is_empty(),
+        "nothing connected through the TLS endpoint"
+    );
+    for handshake in &handshakes {
+        assert!(
+            handshake.outcome.is_ok(),
+            "a handshake failed: {handshake:?}"
+        );
+        assert!(
+            handshake.client_certificate,
+            "no client certificate: {handshake:?}"
+        );
+    }
+    eprintln!("amqps: negotiated {:?}", handshakes[0].outcome);
+    let _ = std::fs::remove_dir_all(&directory);
+    env.cleanup().await;
+}
+
+/// A CA that did not sign the broker's certificate, or no client certificate where the
+/// broker requires one: `idem run` and `idem check` exit non-zero within 10 s naming
+/// `[amqp.tls]`, instead of reconnecting forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqps_certificate_faults_stop_the_host() {
+    let env = TestEnv::new("amqps_faults").await;
+    let (directory, pki, proxy) = mutual_tls_broker(&env).await;
+    let foreign = foreign_ca(&directory);
+    for (case, amqp) in [
+        ("foreign CA", amqps_table(proxy.port, &foreign, Some(&pki))),
+        (
+            "no client certificate",
+            amqps_table(proxy.port, &pki.ca, None),
+        ),
+    ] {
+        let config_path = directory.join("pipelines.toml");
+        std::fs::write(&config_path, with_amqp(&env, &amqp)).expect("write config");
+        for command in ["run", "check"] {
+            let output = must_refuse(command, &config_path);
+            assert!(
+                output.contains("[amqp.tls]"),
+                "{case}: idem {command}: {output}"
+            );
+            eprintln!("{case}: idem {command}: {}", output.trim());
+        }
+    }
+    let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;
 }

@@ -10,4 +10,5 @@ mod hot_swap;
 mod languages;
 mod operations;
 mod outbox;
+mod queues;
 mod sandbox;

@@ -9,10 +9,12 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
 use axum::routing::post;
 use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions};
 use lapin::types::{FieldTable, ShortString};
 
+use idem_e2e::tls::{HttpsListener, Pki};
 use idem_e2e::{TestEnv, order, plugin_path, spawn_idem, wait_for};
 use idem_host::config::Config;
 use idem_host::metrics::Metrics;
@@ -383,5 +385,98 @@ async fn outbox_does_not_count_a_redirect_as_a_delivery() {
         0,
         "the redirect was followed"
     );
+    env.cleanup().await;
+}
+
+/// An https destination trusting only its own CA (`ca_file`), served by an in-process TLS
+/// endpoint: every receipt is delivered once with its `Idempotency-Key`, and the first try of
+/// every tenth key, answered with a 302, is a failed attempt that a later try delivers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_delivers_over_https_to_a_private_ca() {
+    let env = TestEnv::new("outbox_https").await;
+    let directory = std::env::temp_dir().join(format!("{}-pki", env.database));
+    let pki = Pki::new(&directory);
+    let shared = Shared::default();
+    let redirects = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let router = Router::new()
+        .route(
+            "/receipts",
+            post({
+                let redirects = Arc::clone(&redirects);
+                move |state: State<Shared>, headers: HeaderMap, body: String| async move {
+                    // `receive` refuses the first try of every tenth key; here as a redirect.
+                    match receive(state, headers, body).await {
+                        StatusCode::SERVICE_UNAVAILABLE => {
+                            redirects.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            (
+                                StatusCode::FOUND,
+                                [(axum::http::header::LOCATION, "/login")],
+                            )
+                                .into_response()
+                        }
+                        status => status.into_response(),
+                    }
+                }
+            }),
+        )
+        .with_state(Arc::clone(&shared));
+    let (listener, port, handshakes) = HttpsListener::bind(pki.server_config(false)).await;
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let text = receipts_config(
+        &env,
+        &format!(
+            "[outbox.destinations.receipts]\nkind = \"http\"\nurl = \"https://localhost:{port}/receipts\"\ntimeout = \"5s\"\nca_file = \"{}\"",
+            pki.ca.display()
+        ),
+    );
+    let config = Config::from_toml(&directory.join("pipelines.toml"), &text).expect("config");
+    let host = env.start_host(config);
+    let receipts = 60;
+    for order_id in 1..=receipts {
+        env.publish(&order(order_id, order_id % 5, 1_000 + order_id))
+            .await;
+    }
+    wait_for(
+        "every receipt delivered",
+        Duration::from_secs(60),
+        || async {
+            env.count("SELECT count(*) FROM idem_outbox WHERE delivered_at IS NOT NULL")
+                .await
+                == receipts
+        },
+    )
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    let requests = shared.lock().expect("endpoint state").requests.clone();
+    let accepted: Vec<&String> = requests
+        .iter()
+        .filter(|(_, accepted)| *accepted)
+        .map(|(key, _)| key)
+        .collect();
+    let distinct: BTreeSet<&String> = accepted.iter().copied().collect();
+    assert_eq!(
+        accepted.len(),
+        distinct.len(),
+        "a receipt was delivered twice"
+    );
+    assert_eq!(distinct.len(), usize::try_from(receipts).expect("count"));
+    assert!(requests.iter().all(|(key, _)| !key.is_empty()));
+    let redirected = redirects.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(redirected, u64::try_from(receipts / 10).expect("count"));
+    assert_eq!(
+        requests.len(),
+        accepted.len() + usize::try_from(redirected).expect("count"),
+        "a redirect was followed or counted"
+    );
+    let handshakes = handshakes.lock().expect("handshakes").clone();
+    assert!(
+        handshakes.iter().all(|handshake| handshake.outcome.is_ok()),
+        "{handshakes:?}"
+    );
+    eprintln!(
+        "https outbox: negotiated {:?}",
+        handshakes.first().map(|handshake| &handshake.outcome)
+    );
+    let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;
 }

@@ -5,6 +5,7 @@
 //! `IDEM_TEST_PG_ADMIN_URL` and `AMQP_URL`, defaulting to the local services.
 
 pub mod proxy;
+pub mod tls;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -389,6 +390,41 @@ impl Drop for IdemProcess {
     }
 }
 
+/// Runs `idem <command> --config <file>`, which must exit non-zero within 10 s; returns its
+/// output.
+pub fn must_refuse(command: &str, config: &Path) -> String {
+    let started = Instant::now();
+    let mut child = Command::new(idem_binary())
+        .args([command, "--config"])
+        .arg(config)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn idem");
+    loop {
+        if child.try_wait().expect("wait idem").is_some() {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            let output = child.wait_with_output().expect("output");
+            panic!(
+                "idem {command} still running after 10 s (a retry loop?): {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = child.wait_with_output().expect("output");
+    assert!(!output.status.success(), "idem {command} exited 0");
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
 /// Starts `idem run` as a child process with extra environment variables.
 pub fn spawn_idem(config: &Path, env: &[(&str, &str)]) -> IdemProcess {
     let mut command = Command::new(idem_binary());
@@ -433,7 +469,21 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
     )
 }
 
+/// Deletes `queue` and declares it again, durable, with `arguments` (as infrastructure code
+/// would, e.g. a quorum queue with a delivery limit).
+pub async fn redeclare(channel: &Channel, queue: &str, arguments: FieldTable) {
+    channel
+        .queue_delete(ShortString::from(queue), QueueDeleteOptions::default())
+        .await
+        .expect("delete queue");
+    declare(channel, queue, arguments).await;
+}
+
 async fn declare_durable(channel: &Channel, queue: &str) {
+    declare(channel, queue, FieldTable::default()).await;
+}
+
+async fn declare(channel: &Channel, queue: &str, arguments: FieldTable) {
     channel
         .queue_declare(
             ShortString::from(queue),
@@ -441,7 +491,7 @@ async fn declare_durable(channel: &Channel, queue: &str) {
                 durable: true,
                 ..QueueDeclareOptions::default()
             },
-            FieldTable::default(),
+            arguments,
         )
         .await
         .expect("declare test queue");

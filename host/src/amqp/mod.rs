@@ -3,16 +3,22 @@
 //! Architecture invariant: publishes to the dead-letter or retry queue are confirmed by the
 //! broker before the original delivery is acked, so a rejected message is never lost.
 
-use std::time::SystemTime;
+mod connect;
+pub mod topology;
+
+use std::time::{Duration, SystemTime};
 
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
+use lapin::{BasicProperties, Channel, Connection, Consumer};
 
-use crate::config::{PipelineConfig, redact_url};
+pub use connect::connect;
+use topology::Role;
+
+use crate::config::{AmqpConfig, PipelineConfig};
 use crate::message::InboundMessage;
 
 /// The header carrying how many times a message has been tried.
@@ -33,6 +39,15 @@ pub enum AmqpError {
         endpoint: String,
         source: lapin::Error,
     },
+    #[error("RabbitMQ at {endpoint} did not answer within {after:?}")]
+    Timeout { endpoint: String, after: Duration },
+    /// A refusal no retry can fix: the operator must change `setting`.
+    #[error("RabbitMQ refused {subject}: {reason}; check {setting}")]
+    Refused {
+        subject: String,
+        reason: String,
+        setting: String,
+    },
     #[error("RabbitMQ refused to {action} {queue:?}: {source}")]
     Topology {
         action: &'static str,
@@ -43,6 +58,13 @@ pub enum AmqpError {
     Publish { queue: String, reason: String },
     #[error("the consumer on {queue:?} ended: {reason}")]
     ConsumerLost { queue: String, reason: String },
+}
+
+impl AmqpError {
+    /// Whether the operator must change the configuration: retrying cannot help.
+    pub fn is_refused(&self) -> bool {
+        matches!(self, AmqpError::Refused { .. })
+    }
 }
 
 /// One pipeline's connection to the broker: a channel in confirm mode consuming its queue.
@@ -64,54 +86,54 @@ pub struct Receipt {
 }
 
 impl Session {
-    /// Connects, declares the queue and its dead-letter queue, and starts consuming.
-    pub async fn open(amqp_url: &str, pipeline: &PipelineConfig) -> Result<Session, AmqpError> {
+    /// Connects, makes sure the queue and its dead-letter queue are there as configured, and
+    /// starts consuming.
+    pub async fn open(amqp: &AmqpConfig, pipeline: &PipelineConfig) -> Result<Session, AmqpError> {
         // Named so an operator (or a fault test) can tell which host and queue a
         // connection serves: `idem loyalty on order-completed (pid 4242)`.
-        let properties =
-            ConnectionProperties::default().with_connection_name(LongString::from(format!(
-                "idem {} on {} (pid {})",
-                pipeline.name,
-                pipeline.queue,
-                std::process::id()
-            )));
-        let connect_error = |source| AmqpError::Connect {
-            endpoint: redact_url(amqp_url),
-            source,
-        };
-        let connection = Connection::connect(amqp_url, properties)
-            .await
-            .map_err(connect_error)?;
-        let channel = connection.create_channel().await.map_err(connect_error)?;
-        let topology = |action, queue: &str| {
-            let queue = queue.to_string();
-            move |source| AmqpError::Topology {
-                action,
-                queue,
-                source,
+        let name = format!(
+            "idem {} on {} (pid {})",
+            pipeline.name,
+            pipeline.queue,
+            std::process::id()
+        );
+        let connection = connect(amqp, name).await?;
+        match Self::consume(&connection, pipeline).await {
+            Ok((channel, consumer, consumer_tag)) => Ok(Session {
+                connection,
+                channel,
+                consumer,
+                consumer_tag,
+            }),
+            Err(error) => {
+                let _ = connection
+                    .close(200, ShortString::from("idem stopping"))
+                    .await;
+                Err(error)
             }
-        };
+        }
+    }
+
+    async fn consume(
+        connection: &Connection,
+        pipeline: &PipelineConfig,
+    ) -> Result<(Channel, Consumer, String), AmqpError> {
+        topology::ensure(connection, pipeline, Role::Consumed, true).await?;
+        topology::ensure(connection, pipeline, Role::DeadLetter, true).await?;
+        let failed =
+            |action| move |source| topology::refusal(pipeline, Role::Consumed, action, source);
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(failed("open a channel for"))?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await
-            .map_err(topology("enable publisher confirms on", &pipeline.queue))?;
+            .map_err(failed("enable publisher confirms on"))?;
         channel
             .basic_qos(pipeline.effective_prefetch(), BasicQosOptions::default())
             .await
-            .map_err(topology("set prefetch on", &pipeline.queue))?;
-        for queue in [&pipeline.queue, &pipeline.dead_letter_queue] {
-            channel
-                .queue_declare(
-                    ShortString::from(queue.as_str()),
-                    QueueDeclareOptions {
-                        durable: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(topology("declare", queue))?;
-        }
+            .map_err(failed("set prefetch on"))?;
         let consumer_tag = format!("idem-{}-{}", pipeline.name, std::process::id());
         let consumer = channel
             .basic_consume(
@@ -121,13 +143,8 @@ impl Session {
                 FieldTable::default(),
             )
             .await
-            .map_err(topology("consume from", &pipeline.queue))?;
-        Ok(Session {
-            connection,
-            channel,
-            consumer,
-            consumer_tag,
-        })
+            .map_err(failed("consume from"))?;
+        Ok((channel, consumer, consumer_tag))
     }
 
     /// Stops new deliveries; deliveries already received stay ackable.
@@ -167,26 +184,24 @@ pub struct QueueDepth {
 
 /// Connects once, for the operator commands.
 pub async fn connect_channel(
-    amqp_url: &str,
+    amqp: &AmqpConfig,
     purpose: &str,
 ) -> Result<(Connection, Channel), AmqpError> {
-    let connect_error = |source| AmqpError::Connect {
-        endpoint: redact_url(amqp_url),
-        source,
-    };
-    let properties = ConnectionProperties::default()
-        .with_connection_name(LongString::from(format!("idem {purpose}")));
-    let connection = Connection::connect(amqp_url, properties)
+    let connection = connect(amqp, format!("idem {purpose}")).await?;
+    let channel = connection
+        .create_channel()
         .await
-        .map_err(connect_error)?;
-    let channel = connection.create_channel().await.map_err(connect_error)?;
+        .map_err(|source| AmqpError::Connect {
+            endpoint: crate::config::redact_url(&amqp.url),
+            source,
+        })?;
     Ok((connection, channel))
 }
 
 /// The depth of `queue`, or `None` if it does not exist.
-pub async fn queue_depth(amqp_url: &str, queue: &str) -> Result<Option<QueueDepth>, AmqpError> {
-    let (connection, channel) = connect_channel(amqp_url, "status").await?;
-    let declared = inspect(&channel, queue).await;
+pub async fn queue_depth(amqp: &AmqpConfig, queue: &str) -> Result<Option<QueueDepth>, AmqpError> {
+    let (connection, channel) = connect_channel(amqp, "status").await?;
+    let declared = topology::inspect(&channel, queue).await;
     let _ = connection.close(200, ShortString::from("done")).await;
     Ok(declared.ok().map(|declared| QueueDepth {
         ready: declared.message_count(),
@@ -194,30 +209,16 @@ pub async fn queue_depth(amqp_url: &str, queue: &str) -> Result<Option<QueueDept
     }))
 }
 
-/// Declares `queue` passively: its depth and consumers, or an error if it does not exist.
-async fn inspect(channel: &Channel, queue: &str) -> Result<lapin::Queue, lapin::Error> {
-    channel
-        .queue_declare(
-            ShortString::from(queue),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-}
-
 /// Moves up to `limit` messages from the pipeline's dead-letter queue back to its queue,
 /// without the `x-idem-*` headers (so retries start over). Each move is confirmed by the
 /// broker before the dead letter is acked. Safe because of the claims: a message that had
 /// been applied before is recognised as a duplicate. Returns how many were moved.
 pub async fn replay(
-    amqp_url: &str,
+    amqp: &AmqpConfig,
     pipeline: &PipelineConfig,
     limit: Option<u64>,
 ) -> Result<u64, AmqpError> {
-    let (connection, channel) = connect_channel(amqp_url, "replay").await?;
+    let (connection, channel) = connect_channel(amqp, "replay").await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await
@@ -228,7 +229,7 @@ pub async fn replay(
         })?;
     // One pass over what is there now: a message that fails again during the replay goes
     // back to the dead-letter queue and must not be replayed again by this run.
-    let waiting = inspect(&channel, &pipeline.dead_letter_queue)
+    let waiting = topology::inspect(&channel, &pipeline.dead_letter_queue)
         .await
         .map_err(|source| AmqpError::Topology {
             action: "inspect",
@@ -274,7 +275,7 @@ pub async fn replay(
             attempt: 1,
         };
         receipt
-            .publish_copy(&channel, &pipeline.queue, headers)
+            .publish_copy(&channel, &pipeline.queue, headers, Copy::Requeue)
             .await?;
         if !receipt.ack().await {
             return Err(AmqpError::Publish {
@@ -345,13 +346,23 @@ impl Receipt {
         }
     }
 
-    /// Returns the delivery to its queue.
-    pub async fn requeue(&self) -> bool {
+    /// Returns the delivery to its queue with a `nack`. Only the last resort: on a quorum
+    /// queue every requeue counts against the delivery limit, so a message that is not at
+    /// fault is put back with [`Receipt::requeue`] instead.
+    pub async fn nack_requeue(&self) -> bool {
         let options = BasicNackOptions {
             requeue: true,
             ..BasicNackOptions::default()
         };
         matches!(self.acker.nack(options).await, Ok(true))
+    }
+
+    /// Puts the message back at the end of `queue` as it came (same headers and attempt):
+    /// publishes a copy, waits for the broker's confirm, then acks the original. Unlike a
+    /// `nack`, this does not count as a delivery towards a quorum queue's delivery limit.
+    pub async fn requeue(&self, channel: &Channel, queue: &str) -> Result<bool, AmqpError> {
+        let headers = self.properties.headers().clone().unwrap_or_default();
+        self.put_back(channel, queue, headers).await
     }
 
     /// Publishes a copy to `dead_letter_queue` with the reason in its headers, waits for the
@@ -384,8 +395,13 @@ impl Receipt {
             ShortString::from("x-idem-rejected-at"),
             AMQPValue::Timestamp(unix_seconds()),
         );
-        self.publish_copy(channel, &pipeline.dead_letter_queue, headers)
-            .await?;
+        self.publish_copy(
+            channel,
+            &pipeline.dead_letter_queue,
+            headers,
+            Copy::DeadLetter,
+        )
+        .await?;
         Ok(self.ack().await)
     }
 
@@ -402,7 +418,19 @@ impl Receipt {
             ShortString::from(ATTEMPT_HEADER),
             AMQPValue::LongLongInt(i64::from(attempt)),
         );
-        self.publish_copy(channel, queue, headers).await?;
+        self.put_back(channel, queue, headers).await
+    }
+
+    /// Publishes a copy to `queue` with `headers`, waits for the broker's confirm, then acks
+    /// the original.
+    async fn put_back(
+        &self,
+        channel: &Channel,
+        queue: &str,
+        headers: FieldTable,
+    ) -> Result<bool, AmqpError> {
+        self.publish_copy(channel, queue, headers, Copy::Requeue)
+            .await?;
         Ok(self.ack().await)
     }
 
@@ -411,16 +439,13 @@ impl Receipt {
         channel: &Channel,
         queue: &str,
         headers: FieldTable,
+        copy: Copy,
     ) -> Result<(), AmqpError> {
         let publish_error = |reason: String| AmqpError::Publish {
             queue: queue.to_string(),
             reason,
         };
-        let properties = self
-            .properties
-            .clone()
-            .with_headers(headers)
-            .with_delivery_mode(PERSISTENT);
+        let properties = copy_properties(&self.properties, headers, copy);
         // One mandatory copy in flight at a time: a returned (unroutable) message then
         // belongs to the one publish awaiting its confirm, never to another worker's.
         let _one_copy_at_a_time = COPY_PUBLISH.lock().await;
@@ -452,6 +477,62 @@ impl Receipt {
             }
         }
     }
+}
+
+/// What a copy is for, which decides the properties it keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Copy {
+    /// Back to the pipeline's queue (a retry, a requeue, a replay).
+    Requeue,
+    /// To the dead-letter queue, where it must wait for an operator.
+    DeadLetter,
+}
+
+/// The properties of a copy of a delivery: the original's, persistent, with `headers`; without
+/// `user-id` (the broker refuses a publish whose user-id is not the publishing user, and idem
+/// is not the producer), and for a dead letter without `expiration` (it must not expire out
+/// of the dead-letter queue). The dropped values are kept in `x-idem-…` headers.
+fn copy_properties(
+    original: &BasicProperties,
+    mut headers: FieldTable,
+    copy: Copy,
+) -> BasicProperties {
+    let keep_expiration = copy == Copy::Requeue;
+    let mut properties = BasicProperties::default().with_delivery_mode(PERSISTENT);
+    macro_rules! keep {
+        ($getter:ident, $setter:ident) => {
+            if let Some(value) = original.$getter() {
+                properties = properties.$setter(value.clone());
+            }
+        };
+    }
+    keep!(content_type, with_content_type);
+    keep!(content_encoding, with_content_encoding);
+    keep!(priority, with_priority);
+    keep!(correlation_id, with_correlation_id);
+    keep!(reply_to, with_reply_to);
+    keep!(message_id, with_message_id);
+    keep!(timestamp, with_timestamp);
+    keep!(kind, with_type);
+    keep!(app_id, with_app_id);
+    keep!(cluster_id, with_cluster_id);
+    if let Some(expiration) = original.expiration() {
+        if keep_expiration {
+            properties = properties.with_expiration(expiration.clone());
+        } else {
+            headers.insert(
+                ShortString::from("x-idem-expiration"),
+                AMQPValue::LongString(LongString::from(expiration.as_str())),
+            );
+        }
+    }
+    if let Some(user_id) = original.user_id() {
+        headers.insert(
+            ShortString::from("x-idem-user-id"),
+            AMQPValue::LongString(LongString::from(user_id.as_str())),
+        );
+    }
+    properties.with_headers(headers)
 }
 
 /// Serialises copies (dead letters, retries, replays), so each confirm is matched with its

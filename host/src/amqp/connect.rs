@@ -1,0 +1,133 @@
+//! Opening a connection to RabbitMQ: TLS from `[amqp.tls]`, a bound on how long it may take,
+//! and the verdict on a failure: a refusal no retry can fix (credentials, vhost, TLS) or an
+//! outage to wait out.
+
+use std::time::Duration;
+
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
+use lapin::types::LongString;
+use lapin::{Connection, ConnectionProperties};
+
+use super::AmqpError;
+use crate::config::{AmqpConfig, AmqpTls, redact_url};
+
+/// How long opening a connection (TCP, TLS, AMQP handshake) may take before it counts as a
+/// failed attempt.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// AMQP reply codes that mean the operator's configuration is wrong.
+pub(crate) const ACCESS_REFUSED: u16 = 403;
+pub(crate) const NOT_FOUND: u16 = 404;
+pub(crate) const PRECONDITION_FAILED: u16 = 406;
+const INVALID_PATH: u16 = 402;
+const NOT_ALLOWED: u16 = 530;
+
+const TLS_SETTINGS: &str =
+    "[amqp.tls] ca_file, cert_file and key_file, and the host name in [amqp] url";
+
+/// Connects to the broker named by `config`, as `name` (shown in the management UI).
+pub async fn connect(config: &AmqpConfig, name: String) -> Result<Connection, AmqpError> {
+    let endpoint = redact_url(&config.url);
+    let tls = tls_config(config.tls.as_ref()).map_err(|reason| AmqpError::Refused {
+        subject: format!("the connection to {endpoint}"),
+        reason,
+        setting: TLS_SETTINGS.into(),
+    })?;
+    let properties = ConnectionProperties::default().with_connection_name(LongString::from(name));
+    let runtime = lapin::runtime::default_runtime().map_err(|source| AmqpError::Connect {
+        endpoint: endpoint.clone(),
+        source,
+    })?;
+    let connecting = Connection::connect_with_config(&config.url, properties, tls, runtime);
+    match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+        Ok(Ok(connection)) => Ok(connection),
+        Ok(Err(source)) => Err(match refused_setting(&source) {
+            Some(setting) => AmqpError::Refused {
+                subject: format!("the connection to {endpoint}"),
+                reason: source.to_string(),
+                setting: setting.into(),
+            },
+            None => AmqpError::Connect { endpoint, source },
+        }),
+        Err(_elapsed) => Err(AmqpError::Timeout {
+            endpoint,
+            after: CONNECT_TIMEOUT,
+        }),
+    }
+}
+
+/// Reads the PEM files of `[amqp.tls]`.
+fn tls_config(tls: Option<&AmqpTls>) -> Result<OwnedTLSConfig, String> {
+    let Some(tls) = tls else {
+        return Ok(OwnedTLSConfig::default());
+    };
+    let read = |path: &std::path::Path| {
+        std::fs::read(path).map_err(|error| format!("cannot read {}: {error}", path.display()))
+    };
+    let cert_chain = match &tls.ca_file {
+        Some(path) => Some(
+            String::from_utf8(read(path)?)
+                .map_err(|_| format!("{} is not a PEM file", path.display()))?,
+        ),
+        None => None,
+    };
+    let identity = match (&tls.cert_file, &tls.key_file) {
+        (Some(cert), Some(key)) => Some(OwnedIdentity::PKCS8 {
+            pem: read(cert)?,
+            key: read(key)?,
+        }),
+        _ => None,
+    };
+    Ok(OwnedTLSConfig {
+        identity,
+        cert_chain,
+    })
+}
+
+/// The setting to change when connecting failed in a way no retry can fix; `None` for an
+/// outage (refused or unreachable address, a broker restarting), which is retried.
+fn refused_setting(error: &lapin::Error) -> Option<&'static str> {
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(amqp_error) => {
+            let text = amqp_error.get_message().as_str();
+            // "vhost / is down" (recovering) and connection limits pass; the rest is config.
+            let passing = text.contains("is down") || text.contains("limit");
+            match amqp_error.get_id() {
+                ACCESS_REFUSED => Some("the user and password in [amqp] url"),
+                NOT_ALLOWED | INVALID_PATH if !passing => Some(
+                    "the vhost in [amqp] url (it must exist and the user needs access to it; `%2f` is `/`)",
+                ),
+                _ => None,
+            }
+        }
+        lapin::ErrorKind::IOError(io_error) if carries_tls_error(io_error) => Some(TLS_SETTINGS),
+        lapin::ErrorKind::InvalidProtocolVersion(_) => {
+            Some("[amqp] url (not an AMQP 0-9-1 broker)")
+        }
+        _ => None,
+    }
+}
+
+/// Whether an I/O error carries the TLS handshake's verdict (an untrusted or mismatched
+/// certificate, a peer that does not speak TLS) rather than a network failure.
+pub(crate) fn carries_tls_error(io_error: &std::io::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> =
+        io_error.get_ref().map(|inner| inner as _);
+    while let Some(error) = source {
+        if error.downcast_ref::<rustls::Error>().is_some() {
+            return true;
+        }
+        source = error.source();
+    }
+    false
+}
+
+/// The broker's reply code and text, when `error` is one.
+pub(crate) fn reply(error: &lapin::Error) -> Option<(u16, String)> {
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(amqp_error) => {
+            Some((amqp_error.get_id(), amqp_error.get_message().to_string()))
+        }
+        _ => None,
+    }
+}
