@@ -152,6 +152,7 @@ impl Pipeline {
             pipeline = %config.name,
             plugin = %plugin.path.display(),
             digest = %plugin.digest,
+            compiled = plugin.compiled.as_str(),
             statements = config.statements.len(),
             "Pipeline ready."
         );

@@ -10,6 +10,7 @@ use idem_host::config::PluginLimits;
 use idem_host::effect::{Effect, FailureKind, Outcome, Value};
 use idem_host::message::InboundMessage;
 use idem_host::metrics::Metrics;
+use idem_host::plugin::cache::Compiled;
 use idem_host::plugin::{PluginError, PluginRuntime};
 
 const LOYALTY_PLUGINS: [&str; 3] = ["loyalty", "loyalty-py", "loyalty-js"];
@@ -254,4 +255,85 @@ async fn python_then_javascript_serve_the_demo_pipeline_exactly_once() {
     assert_eq!(env.ready(&env.dead_letter_queue).await, 0);
     let _ = std::fs::remove_dir_all(directory);
     env.cleanup().await;
+}
+
+/// The compiled-component cache: the first load compiles and stores, a new runtime on the
+/// same directory loads the stored build (and decides the same), and a damaged file is
+/// detected, rebuilt and replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compiled_plugins_are_cached_verified_and_rebuilt() {
+    let directory = std::env::temp_dir().join(format!(
+        "idem-compile-cache-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let load = |plugin_name: &'static str| {
+        let directory = directory.clone();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let runtime = PluginRuntime::with_cache(Some(directory)).expect("runtime");
+                let started = std::time::Instant::now();
+                let plugin = runtime
+                    .load(&require_plugin(plugin_name))
+                    .unwrap_or_else(|error| panic!("{plugin_name}: {error}"));
+                (runtime, plugin, started.elapsed())
+            })
+            .await
+            .expect("join")
+        }
+    };
+    let message = InboundMessage {
+        pipeline: "loyalty".into(),
+        body: br#"{"order_id": 7, "customer_id": 3, "total_cents": 1250}"#.to_vec(),
+        ..InboundMessage::default()
+    };
+    let limits = PluginLimits::default();
+    for plugin_name in LOYALTY_PLUGINS {
+        let (_, fresh, compile_time) = load(plugin_name).await;
+        assert_eq!(fresh.compiled, Compiled::Fresh, "{plugin_name}");
+        let (runtime, cached, cached_time) = load(plugin_name).await;
+        assert_eq!(cached.compiled, Compiled::Cached, "{plugin_name}");
+        assert_eq!(cached.digest, fresh.digest);
+        let decided = render(&runtime.invoke(&cached, &limits, &message).await);
+        assert_eq!(decided["outcome"], "decision", "{plugin_name}: {decided}");
+        eprintln!(
+            "compile cache: {plugin_name} compiled in {compile_time:?}, loaded from the cache in {cached_time:?}"
+        );
+    }
+    let stored: Vec<_> = std::fs::read_dir(&directory)
+        .expect("cache directory")
+        .map(|entry| entry.expect("entry").path())
+        .filter(|path| {
+            path.extension()
+                .is_some_and(|extension| extension == "cwasm")
+        })
+        .collect();
+    assert_eq!(stored.len(), LOYALTY_PLUGINS.len(), "{stored:?}");
+    // Damage the Rust build's file: it is rebuilt, not loaded.
+    let (_, rust, _) = load("loyalty").await;
+    let damaged = stored
+        .iter()
+        .find(|path| {
+            path.file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| rust.digest.ends_with(name.split('-').next().unwrap_or("?")))
+        })
+        .expect("the Rust build's file");
+    let mut bytes = std::fs::read(damaged).expect("read");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(damaged, &bytes).expect("damage");
+    let (_, rebuilt, _) = load("loyalty").await;
+    assert_eq!(
+        rebuilt.compiled,
+        Compiled::Fresh,
+        "a damaged file was loaded"
+    );
+    let (_, again, _) = load("loyalty").await;
+    assert_eq!(
+        again.compiled,
+        Compiled::Cached,
+        "the rebuilt file was not stored"
+    );
+    let _ = std::fs::remove_dir_all(&directory);
 }

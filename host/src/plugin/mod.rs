@@ -4,6 +4,7 @@
 //! A plugin returns effects as data and does no I/O; the host decides what happens next.
 
 mod bindings;
+pub mod cache;
 mod state;
 
 use std::path::{Path, PathBuf};
@@ -18,6 +19,7 @@ use crate::config::PluginLimits;
 use crate::effect::{Failure, Outcome};
 use crate::message::InboundMessage;
 use bindings::PluginPre;
+use cache::{Compiled, ComponentCache};
 use state::PluginState;
 
 /// How often the engine's epoch advances; the granularity of plugin deadlines.
@@ -31,6 +33,8 @@ pub const MAX_DECISION_BYTES: usize = 1024 * 1024;
 pub struct PluginRuntime {
     engine: Engine,
     linker: Arc<Linker<PluginState>>,
+    /// Compiled components on disk; none when turned off.
+    cache: Option<ComponentCache>,
 }
 
 /// What one sandboxed call cost.
@@ -48,6 +52,8 @@ pub struct LoadedPlugin {
     /// `sha256:<hex>` of the component bytes: which code decided.
     pub digest: String,
     pub loaded_at: SystemTime,
+    /// Whether it came from the compiled-component cache.
+    pub compiled: Compiled,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -75,7 +81,13 @@ pub enum PluginError {
 }
 
 impl PluginRuntime {
+    /// The runtime, with the compiled-component cache in [`cache::default_directory`].
     pub fn new() -> Result<PluginRuntime, PluginError> {
+        Self::with_cache(cache::default_directory())
+    }
+
+    /// The runtime, keeping compiled components in `cache_directory` (none: no cache).
+    pub fn with_cache(cache_directory: Option<PathBuf>) -> Result<PluginRuntime, PluginError> {
         let mut engine_config = EngineConfig::new();
         engine_config
             .epoch_interruption(true)
@@ -96,10 +108,17 @@ impl PluginRuntime {
             reason: format!("cannot link host imports: {error:#}"),
         })?;
         spawn_epoch_ticker(&engine);
+        let cache = cache_directory.map(|directory| ComponentCache::new(directory, &engine));
         Ok(PluginRuntime {
             engine,
             linker: Arc::new(linker),
+            cache,
         })
+    }
+
+    /// Where compiled components are kept, if anywhere.
+    pub fn cache_directory(&self) -> Option<&Path> {
+        self.cache.as_ref().map(ComponentCache::directory)
     }
 
     /// Reads, compiles and type-checks a component. CPU-heavy: call off the async hot path.
@@ -117,14 +136,22 @@ impl PluginRuntime {
             path: path.to_path_buf(),
             reason: format!("{error:#}"),
         };
-        let component = Component::new(&self.engine, bytes).map_err(invalid)?;
+        let digest_hex = format!("{:x}", Sha256::digest(bytes));
+        let (component, compiled) = match &self.cache {
+            Some(cache) => cache.component(&self.engine, bytes, &digest_hex),
+            None => {
+                Component::new(&self.engine, bytes).map(|component| (component, Compiled::Fresh))
+            }
+        }
+        .map_err(invalid)?;
         let instance_pre = self.linker.instantiate_pre(&component).map_err(invalid)?;
         let pre = PluginPre::new(instance_pre).map_err(invalid)?;
         Ok(LoadedPlugin {
             pre,
             path: path.to_path_buf(),
-            digest: format!("sha256:{:x}", Sha256::digest(bytes)),
+            digest: format!("sha256:{digest_hex}"),
             loaded_at: SystemTime::now(),
+            compiled,
         })
     }
 
