@@ -78,7 +78,12 @@ pub async fn ensure(
                 consumers: existing.consumer_count(),
             })
         }
-        Err(error) if reply(&error).is_some_and(|(code, _)| code == NOT_FOUND) => {
+        // "no queue 'x' in vhost '/'"; other NOT_FOUNDs ("home node … is down or
+        // inaccessible" while a cluster node restarts) pass and are retried.
+        Err(error)
+            if reply(&error)
+                .is_some_and(|(code, text)| code == NOT_FOUND && text.contains("no queue")) =>
+        {
             if !may_declare {
                 return Err(AmqpError::Refused {
                     subject: format!("queue {queue:?} of pipeline {}", pipeline.name),
