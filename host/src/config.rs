@@ -26,6 +26,30 @@ pub struct Config {
     pub pipelines: Vec<PipelineConfig>,
     /// The `[outbox]` table: destinations and the relay; none when absent.
     pub outbox: Option<OutboxConfig>,
+    /// The `[plugin_pool]` table.
+    pub plugin_pool: PluginPoolConfig,
+}
+
+/// The `[plugin_pool]` table: wasmtime's pooling allocator keeps instance slots (memories,
+/// tables, stacks) mapped, so a message's fresh instance costs no mmap or munmap.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginPoolConfig {
+    /// Default true; false allocates each instance on demand.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Plugin instances that may exist at once. Default: every pipeline's workers, plus one
+    /// per pipeline (a hot swap's self-test), plus 4.
+    pub instances: Option<NonZeroU32>,
+}
+
+impl Default for PluginPoolConfig {
+    fn default() -> Self {
+        PluginPoolConfig {
+            enabled: true,
+            instances: None,
+        }
+    }
 }
 
 /// The `[database]` table.
@@ -658,6 +682,7 @@ impl Config {
             http,
             pipelines,
             outbox,
+            plugin_pool: file.plugin_pool.unwrap_or_default(),
         })
     }
 
@@ -714,6 +739,7 @@ struct PipelinesFile {
     #[serde(default)]
     pipelines: BTreeMap<String, RawPipeline>,
     outbox: Option<Spanned<OutboxConfig>>,
+    plugin_pool: Option<PluginPoolConfig>,
 }
 
 #[derive(Deserialize)]
@@ -814,6 +840,10 @@ fn checked_amqp(mut amqp: AmqpConfig, base_dir: &Path) -> Result<AmqpConfig, Str
 }
 
 fn default_declare() -> bool {
+    true
+}
+
+fn default_true() -> bool {
     true
 }
 

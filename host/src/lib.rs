@@ -99,7 +99,7 @@ pub async fn run_with_metrics(
         };
         database::check_schema(&pool, &config.database, config.outbox.is_some()).await?;
         database::record_consumers(&pool, &config.database, &config.pipelines).await?;
-        let runtime = PluginRuntime::new()?;
+        let runtime = PluginRuntime::for_config(&config)?;
         let relay = RelayWaker::default();
         let mut pipelines = Vec::with_capacity(config.pipelines.len());
         for pipeline_config in &config.pipelines {

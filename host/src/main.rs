@@ -257,7 +257,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
 /// Collects every problem instead of stopping at the first.
 async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
     let config = Config::load(path)?;
-    let runtime = PluginRuntime::new()?;
+    let runtime = PluginRuntime::for_config(&config)?;
     let mut problems = Vec::new();
     if let Some(outbox) = &config.outbox
         && let Err(error) = idem_host::outbox::http_clients(outbox)

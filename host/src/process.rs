@@ -482,5 +482,7 @@ fn plugin_error_kind(error: &PluginError) -> &'static str {
         PluginError::Trap { .. } => "plugin-trap",
         PluginError::OutputTooLarge { .. } | PluginError::InvalidOutput { .. } => "invalid-output",
         PluginError::Read { .. } | PluginError::Invalid { .. } => "plugin-load",
+        // Never reaches a message: `invoke` waits for a free slot.
+        PluginError::PoolBusy { .. } => "plugin-pool",
     }
 }

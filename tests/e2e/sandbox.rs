@@ -153,7 +153,7 @@ async fn memory_limit_bounds_all_memories_of_an_instance_together() {
     use idem_host::message::InboundMessage;
     use idem_host::plugin::{PluginError, PluginRuntime};
 
-    let core = wat::parse_str(
+    let component = component_from_wat(
         r#"(module
              (memory (export "memory") 1)
              (memory $second 640)
@@ -162,30 +162,7 @@ async fn memory_limit_bounds_all_memories_of_an_instance_together() {
              (func (export "idem:plugin/handler@0.2.0#handle")
                (param i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32) (result i32)
                unreachable))"#,
-    )
-    .expect("core module");
-    let mut resolve = wit_parser::Resolve::default();
-    let (package, _) = resolve
-        .push_dir(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit"))
-        .expect("the plugin contract");
-    let world = resolve
-        .select_world(&[package], Some("plugin"))
-        .expect("the plugin world");
-    let mut module = core;
-    wit_component::embed_component_metadata(
-        &mut module,
-        &resolve,
-        world,
-        wit_component::StringEncoding::UTF8,
-    )
-    .expect("embed the contract");
-    let component = wit_component::ComponentEncoder::default()
-        .module(&module)
-        .expect("module")
-        .validate(true)
-        .encode()
-        .expect("component");
-
+    );
     let runtime = PluginRuntime::new().expect("runtime");
     let plugin = runtime
         .load_bytes(std::path::Path::new("three-memories.wasm"), &component)
@@ -207,5 +184,106 @@ async fn memory_limit_bounds_all_memories_of_an_instance_together() {
     match runtime.invoke(&plugin, &limits(96), &message).await {
         Err(PluginError::Trap { .. }) => {}
         other => panic!("expected the body's trap under a 96 MiB limit: {other:?}"),
+    }
+}
+
+/// A component implementing the plugin world from a core module in WAT.
+fn component_from_wat(text: &str) -> Vec<u8> {
+    let mut module = wat::parse_str(text).expect("core module");
+    let mut resolve = wit_parser::Resolve::default();
+    let (package, _) = resolve
+        .push_dir(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit"))
+        .expect("the plugin contract");
+    let world = resolve
+        .select_world(&[package], Some("plugin"))
+        .expect("the plugin world");
+    wit_component::embed_component_metadata(
+        &mut module,
+        &resolve,
+        world,
+        wit_component::StringEncoding::UTF8,
+    )
+    .expect("embed the contract");
+    wit_component::ComponentEncoder::default()
+        .module(&module)
+        .expect("module")
+        .validate(true)
+        .encode()
+        .expect("component")
+}
+
+/// Every message gets a fresh instance, also when instances come from the pool and reuse its
+/// slots: a plugin that marks its memory and a global on each call never finds the mark of an
+/// earlier call (it would trap with `unreachable`; a clean call ends with its divide by zero).
+#[tokio::test]
+async fn no_state_survives_from_one_message_to_the_next() {
+    use idem_host::config::PluginLimits;
+    use idem_host::message::InboundMessage;
+    use idem_host::plugin::pool::PoolSize;
+    use idem_host::plugin::{PluginError, PluginRuntime};
+
+    idem_e2e::init_logging();
+    let component = component_from_wat(
+        r#"(module
+             (memory (export "memory") 1)
+             (global $called (mut i32) (i32.const 0))
+             (func (export "cabi_realloc") (param i32 i32 i32 i32) (result i32) i32.const 1024)
+             (func (export "idem:plugin/handler@0.2.0#handle")
+               (param i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32) (result i32)
+               (if (i32.or (i32.load (i32.const 64)) (global.get $called))
+                 (then unreachable))
+               (i32.store (i32.const 64) (i32.const 1))
+               (global.set $called (i32.const 1))
+               ;; Run for a few epoch ticks, so concurrent calls overlap.
+               (global.set $called (i32.const 5000000))
+               (loop $spin
+                 (global.set $called (i32.sub (global.get $called) (i32.const 1)))
+                 (br_if $spin (global.get $called)))
+               (global.set $called (i32.const 1))
+               (i32.div_u (i32.const 1) (i32.const 0))))"#,
+    );
+    let message = InboundMessage {
+        pipeline: "state".into(),
+        body: b"{}".to_vec(),
+        ..InboundMessage::default()
+    };
+    let pooled = PoolSize {
+        instances: 2,
+        memory_bytes: 64 << 20,
+    };
+    for (allocation, pool) in [("on demand", None), ("pooled", Some(pooled))] {
+        let runtime = PluginRuntime::build(None, pool).expect("runtime");
+        let plugin = runtime
+            .load_bytes(std::path::Path::new("marks-its-state.wasm"), &component)
+            .expect("the component fits the plugin world");
+        for call in 1..=20 {
+            match runtime
+                .invoke(&plugin, &PluginLimits::default(), &message)
+                .await
+            {
+                Err(PluginError::Trap { reason }) if reason.contains("divide by zero") => {}
+                other => panic!("{allocation}, call {call}: state from an earlier call: {other:?}"),
+            }
+        }
+    }
+    // More calls at once than the pool has slots: the extra ones wait for a slot; none fails.
+    let runtime = PluginRuntime::build(
+        None,
+        Some(PoolSize {
+            instances: 1,
+            ..pooled
+        }),
+    )
+    .expect("runtime");
+    let plugin = runtime
+        .load_bytes(std::path::Path::new("marks-its-state.wasm"), &component)
+        .expect("the component fits the plugin world");
+    let limits = PluginLimits::default();
+    let calls = (0..8).map(|_| runtime.invoke(&plugin, &limits, &message));
+    for called in futures::future::join_all(calls).await {
+        assert!(
+            matches!(&called, Err(PluginError::Trap { reason }) if reason.contains("divide by zero")),
+            "a call found no free slot: {called:?}"
+        );
     }
 }

@@ -717,7 +717,8 @@ fn amqp_text(value: &lapin::types::AMQPValue) -> String {
     }
 }
 
-fn init_logging() {
+/// Logs to the test output (`RUST_LOG`, default warnings).
+pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

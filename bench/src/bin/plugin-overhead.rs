@@ -11,6 +11,7 @@ use idem_host::config::PluginLimits;
 use idem_host::effect::{Decision, Effect, Outcome, Value};
 use idem_host::message::InboundMessage;
 use idem_host::plugin::PluginRuntime;
+use idem_host::plugin::pool::PoolSize;
 
 const WARMUP: usize = 1_000;
 const MESSAGES: usize = 20_000;
@@ -58,7 +59,17 @@ async fn main() {
     if paths.is_empty() {
         paths.push("plugins/dist/loyalty.wasm".to_string());
     }
-    let runtime = PluginRuntime::new().expect("plugin runtime");
+    // The same plugins with instances allocated on demand and from wasmtime's pool (what
+    // `idem run` uses), measured in the same run.
+    let on_demand = PluginRuntime::new().expect("plugin runtime");
+    let pooled = PluginRuntime::build(
+        idem_host::plugin::cache::default_directory(),
+        Some(PoolSize {
+            instances: 8,
+            memory_bytes: 256 << 20,
+        }),
+    )
+    .expect("pooled plugin runtime");
     // The deadline is the benchmark's business, not the sandbox default's: a slow language
     // must be measured, not rejected.
     let limits = PluginLimits {
@@ -76,7 +87,14 @@ async fn main() {
 
     let mut measured = Vec::new();
     for path in &paths {
-        measured.push(measure(&runtime, &limits, path, &messages).await);
+        for (label, runtime) in [("on demand", &on_demand), ("pooled", &pooled)] {
+            let mut plugin = measure(runtime, &limits, path, &messages).await;
+            plugin.path = format!(
+                "{} ({label})",
+                plugin.path.trim_start_matches("plugins/dist/")
+            );
+            measured.push(plugin);
+        }
     }
     let native = measure_native(&messages);
 

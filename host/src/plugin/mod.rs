@@ -5,6 +5,7 @@
 
 mod bindings;
 pub mod cache;
+pub mod pool;
 mod state;
 
 use std::path::{Path, PathBuf};
@@ -20,6 +21,7 @@ use crate::effect::{Failure, Outcome};
 use crate::message::InboundMessage;
 use bindings::PluginPre;
 use cache::{Compiled, ComponentCache};
+use pool::PoolSize;
 use state::PluginState;
 
 /// How often the engine's epoch advances; the granularity of plugin deadlines.
@@ -35,6 +37,8 @@ pub struct PluginRuntime {
     linker: Arc<Linker<PluginState>>,
     /// Compiled components on disk; none when turned off.
     cache: Option<ComponentCache>,
+    /// The pooling allocator's size; none when instances are allocated on demand.
+    pool: Option<PoolSize>,
 }
 
 /// What one sandboxed call cost.
@@ -68,6 +72,9 @@ pub enum PluginError {
     /// The plugin's own verdict: it understood the message and refused it.
     #[error("plugin refused the message ({}): {}", .0.kind.as_str(), .0.reason)]
     Rejected(Failure),
+    /// Every pool slot is in use: the host's sizing, never the message's fault.
+    #[error("no free plugin instance slot: {reason}")]
+    PoolBusy { reason: String },
     #[error("plugin exceeded its deadline of {deadline:?}")]
     DeadlineExceeded { deadline: Duration },
     #[error("plugin exceeded its memory limit of {limit_mib} MiB")]
@@ -81,17 +88,36 @@ pub enum PluginError {
 }
 
 impl PluginRuntime {
-    /// The runtime, with the compiled-component cache in [`cache::default_directory`].
+    /// The runtime, with the compiled-component cache in [`cache::default_directory`] and
+    /// instances allocated on demand.
     pub fn new() -> Result<PluginRuntime, PluginError> {
-        Self::with_cache(cache::default_directory())
+        Self::build(cache::default_directory(), None)
+    }
+
+    /// The runtime for `config`'s pipelines: the compiled-component cache, and the pooling
+    /// allocator sized from the pipelines unless `[plugin_pool] enabled = false`.
+    pub fn for_config(config: &crate::config::Config) -> Result<PluginRuntime, PluginError> {
+        Self::build(cache::default_directory(), PoolSize::for_config(config))
     }
 
     /// The runtime, keeping compiled components in `cache_directory` (none: no cache).
     pub fn with_cache(cache_directory: Option<PathBuf>) -> Result<PluginRuntime, PluginError> {
+        Self::build(cache_directory, None)
+    }
+
+    /// The runtime with compiled components in `cache_directory` and instances from a pool
+    /// of `pool` (none: on demand).
+    pub fn build(
+        cache_directory: Option<PathBuf>,
+        pool: Option<PoolSize>,
+    ) -> Result<PluginRuntime, PluginError> {
         let mut engine_config = EngineConfig::new();
         engine_config
             .epoch_interruption(true)
             .wasm_component_model(true);
+        if let Some(pool) = pool {
+            engine_config.allocation_strategy(pool.strategy());
+        }
         let engine = Engine::new(&engine_config).map_err(|error| PluginError::Invalid {
             path: PathBuf::new(),
             reason: format!("cannot configure the wasm engine: {error:#}"),
@@ -113,6 +139,7 @@ impl PluginRuntime {
             engine,
             linker: Arc::new(linker),
             cache,
+            pool,
         })
     }
 
@@ -132,9 +159,24 @@ impl PluginRuntime {
 
     /// Compiles and type-checks component bytes that came from `path`.
     pub fn load_bytes(&self, path: &Path, bytes: &[u8]) -> Result<LoadedPlugin, PluginError> {
-        let invalid = |error: wasmtime::Error| PluginError::Invalid {
-            path: path.to_path_buf(),
-            reason: format!("{error:#}"),
+        let invalid = |error: wasmtime::Error| {
+            let mut reason = format!("{error:#}");
+            if let Some(pool) = self.pool
+                && reason.contains("pooling allocator")
+            {
+                reason.push_str(&format!(
+                    "; it does not fit the plugin pool ({} instances, {} MiB per memory, at most {} core instances, {} memories and {} tables per component): raise the pipelines' limits.memory_mib, or set [plugin_pool] enabled = false",
+                    pool.instances,
+                    pool.memory_bytes >> 20,
+                    state::MAX_INSTANCES,
+                    state::MAX_MEMORIES,
+                    state::MAX_TABLES,
+                ));
+            }
+            PluginError::Invalid {
+                path: path.to_path_buf(),
+                reason,
+            }
         };
         let digest_hex = format!("{:x}", Sha256::digest(bytes));
         let (component, compiled) = match &self.cache {
@@ -177,12 +219,35 @@ impl PluginRuntime {
         limits: &PluginLimits,
         message: &InboundMessage,
     ) -> (Result<Outcome, PluginError>, CallStats) {
-        let first = self.call(plugin, limits, message).await;
+        let first = self.call_when_a_slot_is_free(plugin, limits, message).await;
         if let (Err(PluginError::DeadlineExceeded { .. }), _) = &first {
             tracing::debug!(pipeline = %message.pipeline, "Plugin call ran out of time; trying it once more in a fresh sandbox.");
-            return self.call(plugin, limits, message).await;
+            return self.call_when_a_slot_is_free(plugin, limits, message).await;
         }
         first
+    }
+
+    /// [`call`](Self::call), waiting while every pool slot is in use. Slots free within a
+    /// deadline, so this only waits when `[plugin_pool] instances` is set too low; it says so.
+    async fn call_when_a_slot_is_free(
+        &self,
+        plugin: &LoadedPlugin,
+        limits: &PluginLimits,
+        message: &InboundMessage,
+    ) -> (Result<Outcome, PluginError>, CallStats) {
+        let mut waits = 0u32;
+        loop {
+            match self.call(plugin, limits, message).await {
+                (Err(PluginError::PoolBusy { reason }), _) => {
+                    waits += 1;
+                    if waits % 100 == 1 {
+                        tracing::warn!(pipeline = %message.pipeline, %reason, "Every plugin instance slot is in use; waiting for one. Raise [plugin_pool] instances.");
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                called => return called,
+            }
+        }
     }
 
     /// One call in a fresh sandbox. The deadline counts epoch ticks observed while the guest
@@ -248,6 +313,11 @@ fn classify_trap(
     memory_exceeded: bool,
     limits: &PluginLimits,
 ) -> PluginError {
+    if let Some(busy) = error.downcast_ref::<wasmtime::PoolConcurrencyLimitError>() {
+        return PluginError::PoolBusy {
+            reason: busy.to_string(),
+        };
+    }
     if memory_exceeded {
         return PluginError::MemoryExceeded {
             limit_mib: limits.memory_mib.get(),

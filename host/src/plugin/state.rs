@@ -50,13 +50,13 @@ pub(super) struct SandboxLimiter {
 }
 
 /// Tables a plugin may grow to, in elements: far above what compilers emit, far below harm.
-const TABLE_ELEMENTS: usize = 1_000_000;
+pub(super) const TABLE_ELEMENTS: usize = 1_000_000;
 /// Core instances, memories and tables one plugin instance may create. A Python or
 /// JavaScript component has about a dozen core instances; the caps leave room for that and
 /// stop a component built to exhaust the host.
-const MAX_INSTANCES: usize = 64;
-const MAX_MEMORIES: usize = 16;
-const MAX_TABLES: usize = 64;
+pub(super) const MAX_INSTANCES: usize = 64;
+pub(super) const MAX_MEMORIES: usize = 16;
+pub(super) const MAX_TABLES: usize = 64;
 
 impl ResourceLimiter for SandboxLimiter {
     fn memory_growing(
