@@ -117,13 +117,7 @@ fn refused_setting(error: &sqlx::Error) -> Option<&'static str> {
         sqlx::Error::Tls(_) => Some(TLS_SETTINGS),
         // The handshake's verdict (an untrusted or mismatched certificate) arrives as an I/O
         // error carrying the TLS error; a network failure carries none.
-        sqlx::Error::Io(io_error)
-            if io_error
-                .get_ref()
-                .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some()) =>
-        {
-            Some(TLS_SETTINGS)
-        }
+        sqlx::Error::Io(io_error) if crate::tls::carries_tls_error(io_error) => Some(TLS_SETTINGS),
         sqlx::Error::Configuration(_) => Some("[database] url"),
         _ => None,
     }

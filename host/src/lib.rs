@@ -41,6 +41,7 @@ pub mod process;
 pub mod reload;
 pub mod retention;
 pub mod statement;
+pub mod tls;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -271,7 +271,7 @@ async fn compiled_plugins_are_cached_verified_and_rebuilt() {
         let directory = directory.clone();
         async move {
             tokio::task::spawn_blocking(move || {
-                let runtime = PluginRuntime::with_cache(Some(directory)).expect("runtime");
+                let runtime = PluginRuntime::build(Some(directory), None).expect("runtime");
                 let started = std::time::Instant::now();
                 let plugin = runtime
                     .load(&require_plugin(plugin_name))

@@ -10,6 +10,7 @@ use lapin::{Connection, ConnectionProperties};
 
 use super::AmqpError;
 use crate::config::{AmqpConfig, AmqpTls, redact_url};
+use crate::tls;
 
 /// How long opening a connection (TCP, TLS, AMQP handshake) may take before it counts as a
 /// failed attempt.
@@ -100,26 +101,14 @@ fn refused_setting(error: &lapin::Error) -> Option<&'static str> {
                 _ => None,
             }
         }
-        lapin::ErrorKind::IOError(io_error) if carries_tls_error(io_error) => Some(TLS_SETTINGS),
+        lapin::ErrorKind::IOError(io_error) if tls::carries_tls_error(io_error) => {
+            Some(TLS_SETTINGS)
+        }
         lapin::ErrorKind::InvalidProtocolVersion(_) => {
             Some("[amqp] url (not an AMQP 0-9-1 broker)")
         }
         _ => None,
     }
-}
-
-/// Whether an I/O error carries the TLS handshake's verdict (an untrusted or mismatched
-/// certificate, a peer that does not speak TLS) rather than a network failure.
-pub(crate) fn carries_tls_error(io_error: &std::io::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> =
-        io_error.get_ref().map(|inner| inner as _);
-    while let Some(error) = source {
-        if error.downcast_ref::<rustls::Error>().is_some() {
-            return true;
-        }
-        source = error.source();
-    }
-    false
 }
 
 /// The broker's reply code and text, when `error` is one.

@@ -100,11 +100,6 @@ impl PluginRuntime {
         Self::build(cache::default_directory(), PoolSize::for_config(config))
     }
 
-    /// The runtime, keeping compiled components in `cache_directory` (none: no cache).
-    pub fn with_cache(cache_directory: Option<PathBuf>) -> Result<PluginRuntime, PluginError> {
-        Self::build(cache_directory, None)
-    }
-
     /// The runtime with compiled components in `cache_directory` and instances from a pool
     /// of `pool` (none: on demand).
     pub fn build(
