@@ -434,6 +434,12 @@ pub struct PluginLimits {
     /// Effects one decision may return.
     #[serde(default = "default_max_effects")]
     pub max_effects: NonZeroUsize,
+    /// Messages one plugin instance may serve before it is replaced. 1 (the default): a fresh
+    /// instance per message. More trades isolation between messages (globals, caches and
+    /// the heap carry over) for the cost of starting an interpreter; an instance is also
+    /// replaced after any failure.
+    #[serde(default = "default_messages_per_instance")]
+    pub messages_per_instance: NonZeroU32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -725,6 +731,7 @@ impl Default for PluginLimits {
             deadline_ms: default_deadline_ms(),
             memory_mib: default_memory_mib(),
             max_effects: default_max_effects(),
+            messages_per_instance: default_messages_per_instance(),
         }
     }
 }
@@ -939,6 +946,10 @@ fn default_memory_mib() -> NonZeroU32 {
 
 fn default_max_effects() -> NonZeroUsize {
     NonZeroUsize::new(256).expect("non-zero literal")
+}
+
+fn default_messages_per_instance() -> NonZeroU32 {
+    NonZeroU32::MIN
 }
 
 /// A service URL without its credentials, for logs and errors.

@@ -421,7 +421,7 @@ async fn serve(
         }
         let received: Vec<(InboundMessage, Receipt)> = deliveries
             .into_iter()
-            .map(|delivery| amqp::receive(&pipeline.config.name, delivery))
+            .map(|delivery| amqp::receive(&pipeline.config.name, delivery, &session.acks))
             .collect();
         let pipeline = Arc::clone(pipeline);
         let channel = session.channel.clone();
@@ -471,13 +471,10 @@ async fn settle_batch(
         let done = tell_broker(pipeline, channel, message, receipt, disposition, shutdown).await;
         report(pipeline, receipt, outcome, done, received_at);
     }
-    // One ack per delivery. A `multiple` ack per batch saved little (acks are not waited
-    // for) and raced: a later batch's multiple ack could be written before an earlier
-    // batch's, acking its tags first, and RabbitMQ closes the channel on the earlier one
-    // (PRECONDITION_FAILED, unknown delivery tag). Doing it safely needs every ack of the
-    // channel to go out in tag order from one place.
-    for (receipt, outcome) in &acks {
-        let done = receipt.ack().await;
+    // The channel's ack owner folds acks that arrive together into `multiple` acks.
+    let acked = acks.iter().map(|(receipt, _)| receipt.ack());
+    let acked = futures::future::join_all(acked).await;
+    for ((receipt, outcome), done) in acks.iter().zip(acked) {
         Failpoint::AfterAck.hit();
         report(pipeline, receipt, outcome, done, received_at);
     }

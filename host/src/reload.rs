@@ -91,7 +91,9 @@ async fn load_and_swap(pipeline: &Pipeline) -> Result<Reloaded, PipelineError> {
         .map_err(plugin_error)?;
     pipeline::self_test(&pipeline.runtime, config, &pipeline.statements, &loaded).await?;
     let to = loaded.digest.clone();
-    pipeline.plugin.store(Arc::new(loaded));
+    // The replaced build's idle instances give their pool slots back now, not when its
+    // last in-flight message settles.
+    pipeline.plugin.swap(Arc::new(loaded)).retire();
     Ok(Reloaded::Swapped {
         from: current.digest.clone(),
         to,

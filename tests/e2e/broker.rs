@@ -181,3 +181,82 @@ async fn misbehaving_plugin_calls_are_dead_lettered_and_the_host_keeps_serving()
     env.assert_loyalty_consistent().await;
     env.cleanup().await;
 }
+
+/// The channel's ack owner under settlement in any order: 300 deliveries on one channel are
+/// settled concurrently in a shuffled order (some after a delay, one in ten with a requeueing
+/// nack), so `multiple` acks and single ones interleave. Every settlement is sent, the
+/// channel stays open (an ack for an unknown or already acked tag would close it), nothing
+/// stays unacked, and exactly the nacked messages are back in the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_ack_owner_settles_deliveries_in_any_order_without_losing_the_channel() {
+    use futures::StreamExt;
+    use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+    use lapin::types::{FieldTable, ShortString};
+
+    let env = TestEnv::new("ackowner").await;
+    const MESSAGES: u64 = 300;
+    for order_id in 0..MESSAGES {
+        env.publish(&order(order_id as i64, 1, 100)).await;
+    }
+    let (_connection, channel) = idem_e2e::connect_channel().await;
+    channel
+        .basic_qos(MESSAGES as u16, BasicQosOptions::default())
+        .await
+        .expect("qos");
+    let mut consumer = channel
+        .basic_consume(
+            ShortString::from(env.queue.as_str()),
+            ShortString::from("ack-owner-test"),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume");
+    let acks = idem_host::amqp::Acks::spawn(channel.clone());
+    let mut receipts = Vec::new();
+    while (receipts.len() as u64) < MESSAGES {
+        let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+            .await
+            .expect("a delivery within 10 s")
+            .expect("consumer open")
+            .expect("delivery");
+        receipts.push(idem_host::amqp::receive("ackowner", delivery, &acks).1);
+    }
+    channel
+        .basic_cancel(
+            ShortString::from("ack-owner-test"),
+            BasicCancelOptions::default(),
+        )
+        .await
+        .expect("cancel");
+    // A fixed permutation (a multiplicative step coprime with 300) and fixed delays.
+    let order_of = |index: u64| (index * 7 + 11) % MESSAGES;
+    let settled = (0..MESSAGES).map(|index| {
+        let receipt = &receipts[order_of(index) as usize];
+        async move {
+            tokio::time::sleep(Duration::from_millis((index * 13) % 40)).await;
+            if receipt.delivery_tag % 10 == 3 {
+                (true, receipt.nack_requeue().await)
+            } else {
+                (false, receipt.ack().await)
+            }
+        }
+    });
+    let settled = futures::future::join_all(settled).await;
+    let nacked = settled.iter().filter(|(nack, _)| *nack).count() as u32;
+    assert!(
+        settled.iter().all(|(_, done)| *done),
+        "a settlement was not sent"
+    );
+    assert!(
+        channel.status().connected(),
+        "the broker closed the channel"
+    );
+    wait_for(
+        "the nacked messages back in the queue",
+        Duration::from_secs(20),
+        || async { env.ready(&env.queue).await == nacked && unacked(&env.queue) == 0 },
+    )
+    .await;
+    env.cleanup().await;
+}

@@ -103,11 +103,16 @@ fn corpus() -> Vec<(String, Vec<u8>, serde_json::Value)> {
         .collect()
 }
 
-/// Every loyalty plugin gives the corpus's decision for every message.
+/// Every loyalty plugin gives the corpus's decision for every message, in a fresh instance
+/// per message and in instances reused across messages (`limits.messages_per_instance`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_loyalty_plugin_passes_the_conformance_corpus() {
     let runtime = PluginRuntime::new().expect("runtime");
-    let limits = PluginLimits::default();
+    let fresh = PluginLimits::default();
+    let reused = PluginLimits {
+        messages_per_instance: 1000.try_into().expect("non-zero"),
+        ..PluginLimits::default()
+    };
     let cases = corpus();
     let mut mismatches = Vec::new();
     let mut decisions_by_plugin = Vec::new();
@@ -119,19 +124,31 @@ async fn every_loyalty_plugin_passes_the_conformance_corpus() {
             .expect("join")
             .unwrap_or_else(|error| panic!("{plugin_name}: {error}"));
         let mut decisions = Vec::new();
-        for (name, body, expected) in &cases {
-            let message = InboundMessage {
-                pipeline: "loyalty".into(),
-                body: body.clone(),
-                ..InboundMessage::default()
-            };
-            let actual = render(&runtime.invoke(&plugin, &limits, &message).await);
-            if !matches(&actual, expected) {
-                mismatches.push(format!(
-                    "{plugin_name} / {name}: got {actual}, expected {expected}"
-                ));
+        for (instances, limits) in [("fresh", &fresh), ("reused", &reused)] {
+            // Twice through in reused instances: the second pass meets what the first left.
+            let passes = if instances == "fresh" { 1 } else { 2 };
+            for pass in 0..passes {
+                for (index, (name, body, expected)) in cases.iter().enumerate() {
+                    let message = InboundMessage {
+                        pipeline: "loyalty".into(),
+                        body: body.clone(),
+                        ..InboundMessage::default()
+                    };
+                    let actual = render(&runtime.invoke(&plugin, limits, &message).await);
+                    if !matches(&actual, expected) {
+                        mismatches.push(format!(
+                            "{plugin_name} / {name} ({instances} instances): got {actual}, expected {expected}"
+                        ));
+                    }
+                    match decisions.get(index) {
+                        None => decisions.push(actual),
+                        Some(first) => assert_eq!(
+                            &actual, first,
+                            "{plugin_name} decided {name:?} differently in {instances} instances (pass {pass})"
+                        ),
+                    }
+                }
             }
-            decisions.push(actual);
         }
         decisions_by_plugin.push((plugin_name, decisions));
     }

@@ -287,3 +287,85 @@ async fn no_state_survives_from_one_message_to_the_next() {
         );
     }
 }
+
+/// With `limits.messages_per_instance = 3`, an instance serves at most three messages, a
+/// failure retires it, and a hot swap starts the new build afresh; with the default (1)
+/// every message, sequential or concurrent, meets a fresh instance. The chaos plugin's
+/// `count` action reports how many calls its instance has served.
+#[tokio::test]
+async fn reused_instances_serve_a_bounded_number_of_messages_and_never_survive_a_failure() {
+    use idem_host::config::PluginLimits;
+    use idem_host::effect::Outcome;
+    use idem_host::message::InboundMessage;
+    use idem_host::plugin::pool::PoolSize;
+    use idem_host::plugin::{PluginError, PluginRuntime};
+
+    idem_e2e::init_logging();
+    let message = |action: &str| InboundMessage {
+        pipeline: "reuse".into(),
+        body: format!(r#"{{"action": "{action}"}}"#).into_bytes(),
+        ..InboundMessage::default()
+    };
+    let count = message("count");
+    let runtime = PluginRuntime::build(
+        None,
+        Some(PoolSize {
+            instances: 4,
+            memory_bytes: 64 << 20,
+        }),
+    )
+    .expect("runtime");
+    let plugin = runtime.load(&plugin_path("chaos")).expect("chaos plugin");
+    async fn served(
+        runtime: &PluginRuntime,
+        plugin: &idem_host::plugin::LoadedPlugin,
+        limits: &PluginLimits,
+        message: &InboundMessage,
+    ) -> String {
+        match runtime.invoke(plugin, limits, message).await {
+            Ok(Outcome::Skip { reason }) => reason,
+            other => panic!("count: {other:?}"),
+        }
+    }
+
+    let fresh = PluginLimits::default();
+    for _ in 0..5 {
+        assert_eq!(served(&runtime, &plugin, &fresh, &count).await, "call 1");
+    }
+    let concurrent = (0..4).map(|_| served(&runtime, &plugin, &fresh, &count));
+    for reason in futures::future::join_all(concurrent).await {
+        assert_eq!(reason, "call 1", "state leaked between concurrent messages");
+    }
+
+    let reuse = PluginLimits {
+        messages_per_instance: 3.try_into().expect("non-zero"),
+        ..PluginLimits::default()
+    };
+    let mut seen = Vec::new();
+    for _ in 0..7 {
+        seen.push(served(&runtime, &plugin, &reuse, &count).await);
+    }
+    assert_eq!(
+        seen,
+        [
+            "call 1", "call 2", "call 3", "call 1", "call 2", "call 3", "call 1"
+        ]
+    );
+    // A failure (here the plugin's own rejection) retires the instance that served it.
+    match runtime.invoke(&plugin, &reuse, &message("invalid")).await {
+        Err(PluginError::Rejected(failure)) => assert!(failure.reason.contains("asked to fail")),
+        other => panic!("invalid: {other:?}"),
+    }
+    assert_eq!(served(&runtime, &plugin, &reuse, &count).await, "call 1");
+    // A trap too; the message is tried once more in a fresh instance, which traps as well.
+    match runtime.invoke(&plugin, &reuse, &message("trap")).await {
+        Err(PluginError::Trap { .. }) => {}
+        other => panic!("trap: {other:?}"),
+    }
+    assert_eq!(served(&runtime, &plugin, &reuse, &count).await, "call 1");
+    assert_eq!(served(&runtime, &plugin, &reuse, &count).await, "call 2");
+    // A retired build (replaced by a hot swap) keeps no instance for its next call.
+    plugin.retire();
+    assert_eq!(served(&runtime, &plugin, &reuse, &count).await, "call 1");
+    assert_eq!(served(&runtime, &plugin, &reuse, &count).await, "call 1");
+}

@@ -3,18 +3,20 @@
 //! Architecture invariant: publishes to the dead-letter or retry queue are confirmed by the
 //! broker before the original delivery is acked, so a rejected message is never lost.
 
+mod acks;
 mod connect;
 pub mod topology;
 
 use std::time::{Duration, SystemTime};
 
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, Consumer};
 
+pub use acks::Acks;
 pub use connect::connect;
 use topology::Role;
 
@@ -73,11 +75,13 @@ pub struct Session {
     pub channel: Channel,
     pub consumer: Consumer,
     consumer_tag: String,
+    /// The owner of the channel's acks.
+    pub acks: Acks,
 }
 
-/// A delivery's identity and acker, kept apart from the data the plugin sees.
+/// A delivery's identity and its channel's ack owner, kept apart from the data the plugin sees.
 pub struct Receipt {
-    pub acker: lapin::Acker,
+    acks: Acks,
     pub delivery_tag: u64,
     properties: BasicProperties,
     body: Vec<u8>,
@@ -101,6 +105,7 @@ impl Session {
         match Self::consume(&connection, pipeline).await {
             Ok((channel, consumer, consumer_tag)) => Ok(Session {
                 connection,
+                acks: Acks::spawn(channel.clone()),
                 channel,
                 consumer,
                 consumer_tag,
@@ -219,6 +224,7 @@ pub async fn replay(
     limit: Option<u64>,
 ) -> Result<u64, AmqpError> {
     let (connection, channel) = connect_channel(amqp, "replay").await?;
+    let acks = Acks::spawn(channel.clone());
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await
@@ -267,8 +273,9 @@ pub async fn replay(
                     .into()
             })
             .unwrap_or_default();
+        acks.delivered(delivery.delivery_tag);
         let receipt = Receipt {
-            acker: delivery.acker,
+            acks: acks.clone(),
             delivery_tag: delivery.delivery_tag,
             properties: delivery.properties,
             body: delivery.data,
@@ -291,8 +298,13 @@ pub async fn replay(
     Ok(moved)
 }
 
-/// Splits a delivery into what the plugin sees and what the host keeps to settle it.
-pub fn receive(pipeline: &str, delivery: lapin::message::Delivery) -> (InboundMessage, Receipt) {
+/// Splits a delivery into what the plugin sees and what the host keeps to settle it through
+/// `acks`, its channel's ack owner. Call in delivery order.
+pub fn receive(
+    pipeline: &str,
+    delivery: lapin::message::Delivery,
+    acks: &Acks,
+) -> (InboundMessage, Receipt) {
     let headers: Vec<(String, String)> = delivery
         .properties
         .headers()
@@ -322,8 +334,9 @@ pub fn receive(pipeline: &str, delivery: lapin::message::Delivery) -> (InboundMe
             .map(|id| id.as_str().to_string()),
         redelivered: delivery.redelivered,
     };
+    acks.delivered(delivery.delivery_tag);
     let receipt = Receipt {
-        acker: delivery.acker,
+        acks: acks.clone(),
         delivery_tag: delivery.delivery_tag,
         properties: delivery.properties,
         body: delivery.data,
@@ -336,25 +349,14 @@ impl Receipt {
     /// Acks the delivery. `false` means the channel it came on is gone: the broker will
     /// redeliver it, and the claim will make that redelivery a duplicate.
     pub async fn ack(&self) -> bool {
-        match self.acker.ack(BasicAckOptions::default()).await {
-            Ok(true) => true,
-            Ok(false) => false,
-            Err(error) => {
-                tracing::debug!(%error, delivery_tag = self.delivery_tag, "Ack failed.");
-                false
-            }
-        }
+        self.acks.ack(self.delivery_tag).await
     }
 
     /// Returns the delivery to its queue with a `nack`. Only the last resort: on a quorum
     /// queue every requeue counts against the delivery limit, so a message that is not at
     /// fault is put back with [`Receipt::requeue`] instead.
     pub async fn nack_requeue(&self) -> bool {
-        let options = BasicNackOptions {
-            requeue: true,
-            ..BasicNackOptions::default()
-        };
-        matches!(self.acker.nack(options).await, Ok(true))
+        self.acks.nack_requeue(self.delivery_tag).await
     }
 
     /// Puts the message back at the end of `queue` as it came (same headers and attempt):

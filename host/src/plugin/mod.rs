@@ -1,4 +1,5 @@
-//! The plugin runtime: compiles components once, runs each message in a fresh sandbox.
+//! The plugin runtime: compiles components once, runs each message in a fresh sandbox (or,
+//! when a pipeline opts in, in an instance that served at most `messages_per_instance`).
 //!
 //! Architecture invariant: this module knows nothing of AMQP or SQL.
 //! A plugin returns effects as data and does no I/O; the host decides what happens next.
@@ -9,7 +10,8 @@ pub mod pool;
 mod state;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use sha2::{Digest, Sha256};
@@ -46,6 +48,8 @@ pub struct PluginRuntime {
 pub struct CallStats {
     /// Linear memory the instance held when the call ended, over all its memories.
     pub memory_bytes: usize,
+    /// Whether the call ran in an instance that had served earlier messages.
+    pub reused: bool,
 }
 
 /// A compiled, type-checked component, ready to instantiate per message.
@@ -58,6 +62,10 @@ pub struct LoadedPlugin {
     pub loaded_at: SystemTime,
     /// Whether it came from the compiled-component cache.
     pub compiled: Compiled,
+    /// Instances kept for their next message (`limits.messages_per_instance` above 1).
+    idle: Mutex<Vec<IdleInstance>>,
+    /// Replaced by a newer build: keeps no idle instance.
+    retired: AtomicBool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -189,6 +197,8 @@ impl PluginRuntime {
             digest: format!("sha256:{digest_hex}"),
             loaded_at: SystemTime::now(),
             compiled,
+            idle: Mutex::default(),
+            retired: AtomicBool::new(false),
         })
     }
 
@@ -208,18 +218,29 @@ impl PluginRuntime {
     /// A call that ran out of time is tried once more in a fresh sandbox before the plugin
     /// is blamed: a paused host (SIGSTOP, a VM pause), steal time or a compile on the same
     /// cores can take time the plugin never used. A plugin that really loops exceeds both.
+    /// Likewise a call that failed in a reused instance (`limits.messages_per_instance`) is
+    /// tried once more in a fresh one: what earlier messages left behind is not this
+    /// message's fault.
     pub async fn invoke_measured(
         &self,
         plugin: &LoadedPlugin,
         limits: &PluginLimits,
         message: &InboundMessage,
     ) -> (Result<Outcome, PluginError>, CallStats) {
-        let first = self.call_when_a_slot_is_free(plugin, limits, message).await;
-        if let (Err(PluginError::DeadlineExceeded { .. }), _) = &first {
-            tracing::debug!(pipeline = %message.pipeline, "Plugin call ran out of time; trying it once more in a fresh sandbox.");
-            return self.call_when_a_slot_is_free(plugin, limits, message).await;
+        let first = self
+            .call_when_a_slot_is_free(plugin, limits, message, Instance::Any)
+            .await;
+        match &first.0 {
+            Err(PluginError::DeadlineExceeded { .. }) => {
+                tracing::debug!(pipeline = %message.pipeline, "Plugin call ran out of time; trying it once more in a fresh sandbox.");
+            }
+            Err(error) if first.1.reused => {
+                tracing::debug!(pipeline = %message.pipeline, %error, "Plugin call failed in a reused instance; trying it once more in a fresh one.");
+            }
+            _ => return first,
         }
-        first
+        self.call_when_a_slot_is_free(plugin, limits, message, Instance::Fresh)
+            .await
     }
 
     /// [`call`](Self::call), waiting while every pool slot is in use. Slots free within a
@@ -229,10 +250,11 @@ impl PluginRuntime {
         plugin: &LoadedPlugin,
         limits: &PluginLimits,
         message: &InboundMessage,
+        instance: Instance,
     ) -> (Result<Outcome, PluginError>, CallStats) {
         let mut waits = 0u32;
         loop {
-            match self.call(plugin, limits, message).await {
+            match self.call(plugin, limits, message, instance).await {
                 (Err(PluginError::PoolBusy { reason }), _) => {
                     waits += 1;
                     if waits % 100 == 1 {
@@ -245,61 +267,141 @@ impl PluginRuntime {
         }
     }
 
-    /// One call in a fresh sandbox. The deadline counts epoch ticks observed while the guest
-    /// runs (a tick the guest slept through, descheduled or stopped, is not counted), so it
-    /// measures the plugin, not the host; a wall-clock timeout of the same length also bounds
-    /// a host call that blocks.
-    async fn call(
-        &self,
-        plugin: &LoadedPlugin,
-        limits: &PluginLimits,
-        message: &InboundMessage,
-    ) -> (Result<Outcome, PluginError>, CallStats) {
-        let deadline = limits.deadline();
+    /// A sandbox with nothing in it yet: its store, limits and deadline accounting.
+    fn new_store(&self, pipeline: &str, limits: &PluginLimits) -> Store<PluginState> {
         let mut store = Store::new(
             &self.engine,
-            PluginState::new(&message.pipeline, limits.memory_bytes()),
+            PluginState::new(pipeline, limits.memory_bytes()),
         );
         store.limiter(|state| &mut state.limiter);
-        let budget = deadline.as_millis().div_ceil(EPOCH_TICK.as_millis()).max(1);
-        let mut ticks_run = 0u128;
-        store.set_epoch_deadline(1);
-        store.epoch_deadline_callback(move |_| {
-            ticks_run += 1;
-            if ticks_run >= budget {
+        store.epoch_deadline_callback(|mut context| {
+            if context.data_mut().tick() {
                 Ok(UpdateDeadline::Interrupt)
             } else {
                 Ok(UpdateDeadline::Yield(1))
             }
         });
+        store
+    }
+
+    /// One call, in a fresh sandbox or (with `limits.messages_per_instance` above 1 and
+    /// `instance` allowing it) in an idle instance of the same build. The deadline counts
+    /// epoch ticks observed while the guest runs (a tick the guest slept through, descheduled
+    /// or stopped, is not counted), so it measures the plugin, not the host; a wall-clock
+    /// timeout of the same length also bounds a host call that blocks.
+    async fn call(
+        &self,
+        plugin: &LoadedPlugin,
+        limits: &PluginLimits,
+        message: &InboundMessage,
+        instance: Instance,
+    ) -> (Result<Outcome, PluginError>, CallStats) {
+        let deadline = limits.deadline();
+        let reuse = limits.messages_per_instance.get();
+        let idle = match instance {
+            Instance::Any if reuse > 1 => plugin.take_idle(),
+            _ => None,
+        };
+        let reused = idle.is_some();
+        let (mut store, mut handler, calls) = match idle {
+            Some(idle) => (idle.store, Some(idle.handler), idle.calls),
+            None => (self.new_store(&message.pipeline, limits), None, 0),
+        };
+        store
+            .data_mut()
+            .begin_call(deadline.as_millis().div_ceil(EPOCH_TICK.as_millis()));
+        store.set_epoch_deadline(1);
         let wit_message = bindings::message(message);
         let call = async {
-            let instance = plugin.pre.instantiate_async(&mut store).await?;
-            instance
+            let handler = match handler.take() {
+                Some(handler) => handler,
+                None => plugin.pre.instantiate_async(&mut store).await?,
+            };
+            let returned = handler
                 .idem_plugin_handler()
                 .call_handle(&mut store, &wit_message)
-                .await
+                .await?;
+            Ok::<_, wasmtime::Error>((handler, returned))
         };
         // The epoch callback stops guest code; the timeout also stops a host call that blocks.
         let result = tokio::time::timeout(deadline + EPOCH_TICK * 2, call).await;
         let stats = CallStats {
             memory_bytes: store.data().limiter.memory_used,
+            reused,
         };
-        let returned = match result {
-            Err(_elapsed) => Err(PluginError::DeadlineExceeded { deadline }),
-            Ok(Err(error)) => Err(classify_trap(
-                &error,
-                store.data().limiter.memory_exceeded,
-                limits,
-            )),
-            Ok(Ok(returned)) => Ok(returned),
+        let (returned, handler) = match result {
+            Err(_elapsed) => (Err(PluginError::DeadlineExceeded { deadline }), None),
+            Ok(Err(error)) => (
+                Err(classify_trap(
+                    &error,
+                    store.data().limiter.memory_exceeded,
+                    limits,
+                )),
+                None,
+            ),
+            Ok(Ok((handler, returned))) => (Ok(returned), Some(handler)),
         };
         let outcome = returned.and_then(|returned| {
             let outcome = bindings::verdict(returned).map_err(PluginError::Rejected)?;
             check_output(&outcome, limits)?;
             Ok(outcome)
         });
+        // An instance serves again only after a clean call, and at most `reuse` messages.
+        if let (Ok(_), Some(handler)) = (&outcome, handler)
+            && calls + 1 < reuse
+        {
+            plugin.put_idle(IdleInstance {
+                store,
+                handler,
+                calls: calls + 1,
+            });
+        }
         (outcome, stats)
+    }
+}
+
+/// Which instance a call may run in.
+#[derive(Debug, Clone, Copy)]
+enum Instance {
+    /// An idle instance of the build when the limits allow reuse, else a fresh one.
+    Any,
+    /// A fresh instance.
+    Fresh,
+}
+
+/// An instance between two messages, with what it has served.
+struct IdleInstance {
+    store: Store<PluginState>,
+    handler: bindings::Plugin,
+    calls: u32,
+}
+
+impl LoadedPlugin {
+    fn take_idle(&self) -> Option<IdleInstance> {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()
+    }
+
+    fn put_idle(&self, instance: IdleInstance) {
+        if self.retired.load(Ordering::Acquire) {
+            return;
+        }
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(instance);
+    }
+
+    /// Drops the build's idle instances and keeps it from keeping more: called when a new
+    /// build replaces it, so its pool slots go back to the pool at once.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
     }
 }
 

@@ -16,6 +16,9 @@ pub struct PluginState {
     table: ResourceTable,
     pub(super) limiter: SandboxLimiter,
     log_lines: u32,
+    /// Epoch ticks the guest has run through during the current call, and how many it may.
+    ticks_run: u128,
+    tick_budget: u128,
 }
 
 impl PluginState {
@@ -36,6 +39,33 @@ impl PluginState {
                 memory_used: 0,
             },
             log_lines: 0,
+            ticks_run: 0,
+            tick_budget: 1,
+        }
+    }
+
+    /// Starts a call that may run for `tick_budget` epoch ticks; on a reused instance, ends
+    /// the previous call's accounting first.
+    pub(super) fn begin_call(&mut self, tick_budget: u128) {
+        self.report_dropped_log_lines();
+        self.log_lines = 0;
+        self.ticks_run = 0;
+        self.tick_budget = tick_budget.max(1);
+    }
+
+    /// Counts one epoch tick the guest ran through; true once the call's budget is spent.
+    pub(super) fn tick(&mut self) -> bool {
+        self.ticks_run += 1;
+        self.ticks_run >= self.tick_budget
+    }
+
+    fn report_dropped_log_lines(&self) {
+        if self.log_lines > LOG_LINES_PER_CALL {
+            tracing::warn!(
+                pipeline = %self.pipeline,
+                dropped = self.log_lines - LOG_LINES_PER_CALL,
+                "Plugin log lines dropped (limit {LOG_LINES_PER_CALL} per message)."
+            );
         }
     }
 }
@@ -104,13 +134,7 @@ impl ResourceLimiter for SandboxLimiter {
 
 impl Drop for PluginState {
     fn drop(&mut self) {
-        if self.log_lines > LOG_LINES_PER_CALL {
-            tracing::warn!(
-                pipeline = %self.pipeline,
-                dropped = self.log_lines - LOG_LINES_PER_CALL,
-                "Plugin log lines dropped (limit {LOG_LINES_PER_CALL} per message)."
-            );
-        }
+        self.report_dropped_log_lines();
     }
 }
 

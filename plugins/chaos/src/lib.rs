@@ -2,6 +2,7 @@
 //!
 //! `{"action": "trap"}` panics (a trap), `"loop"` never returns, `"alloc"` grows memory
 //! without bound, `"alloc-1g"` asks for 1 GiB at once, `"retry"` and `"invalid"` return failures, `"skip"` skips, `"log"` logs,
+//! `"count"` skips with the number of calls this instance has served (`"call 3"`),
 //! and `"echo"` returns `{"key": …, "effects": [{"statement": …, "params": [...]}]}` as given
 //! (JSON integers become `integer`, strings `text`, floats `float`, booleans `boolean`,
 //! `null` `null`; `{"json": …}` becomes `json`).
@@ -14,8 +15,12 @@ use idem::plugin::types::{
     Decision, Effect, Exec, Failure, FailureKind, Message, Outcome, Value,
 };
 use serde_json::Value as Json;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 struct Chaos;
+
+/// Calls this instance has served: 1 on every call when each message gets a fresh instance.
+static CALLS: AtomicU32 = AtomicU32::new(0);
 
 export!(Chaos);
 
@@ -46,6 +51,10 @@ impl Guest for Chaos {
             "retry" => Err(failure(FailureKind::Retryable, "chaos plugin asked to retry".into())),
             "invalid" => Err(failure(FailureKind::InvalidInput, "chaos plugin asked to fail".into())),
             "skip" => Ok(Outcome::Skip("chaos plugin asked to skip".into())),
+            "count" => {
+                let calls = CALLS.fetch_add(1, Ordering::Relaxed) + 1;
+                Ok(Outcome::Skip(format!("call {calls}")))
+            }
             "log" => {
                 log(Level::Info, "chaos plugin says hello");
                 Ok(Outcome::Skip("logged".into()))
