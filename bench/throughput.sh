@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Throughput of `idem run` beside its two baselines, on the same data, in one run:
 #
-#   - idem: the loyalty pipeline (claim = "ledger") at each worker count and batch size;
+#   - idem: the loyalty pipeline (claim = "ledger") at each worker count and batch size, with
+#     each plugin build in PLUGIN (Rust, Python, JavaScript);
+#   - raw: the broker's own rate, a consumer that only acks the same messages at the same
+#     prefetch (bench/src/bin/raw-consume.rs);
 #   - pgbench: the same claim + credit + ledger transaction, one message per transaction, at
 #     the same number of connections (the database's own limit; bench/pgbench/message.sql);
 #   - reference: the guide's Python consumer (psycopg + pika, one transaction per message,
@@ -12,7 +15,9 @@
 # timed until every message is settled, and is then verified: one ledger row and one claim
 # per order, balances equal to the ledger sums, nothing left in the queue. The report (also
 # written to bench/results/latest.txt) gives messages/second, p50/p99 latency, outcomes, peak
-# RSS and the ratios idem/pgbench and idem/reference for batch size 1 and the best batch size.
+# RSS and the ratios idem/pgbench, idem/reference and idem/raw for batch size 1 and the best
+# batch size, and each Python or JavaScript build against the Rust one. CLAIMS_PREFILL=N runs
+# everything against a claim table already holding N old claims.
 # Exits non-zero if any run fails its verification. See bench/README.md.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -27,7 +32,10 @@ BATCH_SIZES="${BATCH_SIZES:-1 16 64 256}" # idem batch sizes tried; best = faste
 BATCH_LINGER="${BATCH_LINGER:-0ms}"       # [pipelines.bench.batch] linger when size > 1 (idem default: 0ms)
 PREFETCH="${PREFETCH:-64}"                # per consumer channel; batches get max(PREFETCH, 2*size*workers)
 PUBLISHER="${PUBLISHER:-idem-traffic}"    # idem-traffic | python (bench/reference/queues.py, faster)
-BASELINES="${BASELINES-pgbench reference}" # which baselines to run ("" for none)
+BASELINES="${BASELINES-raw pgbench reference}" # which baselines to run ("" for none)
+PLUGIN="${PLUGIN:-loyalty}"               # plugin builds, each name[@N]: N = limits.messages_per_instance
+                                          # e.g. PLUGIN="loyalty loyalty-py loyalty-py@1000 loyalty-js loyalty-js@1000"
+CLAIMS_PREFILL="${CLAIMS_PREFILL:-0}"     # old claims in processed_messages before every run
 BUILD="${BUILD:-1}"                       # 0: use the binaries already in target/release
 RUN_TIMEOUT="${RUN_TIMEOUT:-300}"         # seconds one consumer run may take before it fails
 HTTP_PORT="${HTTP_PORT:-9474}"            # idem's /metrics during the bench (127.0.0.1 only)
@@ -45,7 +53,7 @@ runs="$logs/runs.tsv"
 report="$results/latest.txt"
 idem="${IDEM_BIN:-$root/target/release/idem}"                   # another build: IDEM_BIN=…
 traffic="${TRAFFIC_BIN:-$root/target/release/idem-traffic}"
-plugin="$root/plugins/dist/loyalty.wasm"
+raw_consume="${RAW_CONSUME_BIN:-$root/target/release/raw-consume}"
 venv="$root/bench/reference/.venv"
 py="$venv/bin/python"
 metrics_url="http://127.0.0.1:$HTTP_PORT/metrics"
@@ -69,6 +77,11 @@ for value in $WORKERS $BATCH_SIZES $CUSTOMERS $PREFETCH; do
   [[ "$value" =~ ^[1-9][0-9]*$ ]] || die "WORKERS, BATCH_SIZES, CUSTOMERS and PREFETCH take positive integers, not '$value'"
 done
 case "$PUBLISHER" in idem-traffic | python) ;; *) die "PUBLISHER is idem-traffic or python, not '$PUBLISHER'" ;; esac
+[[ "$CLAIMS_PREFILL" =~ ^[0-9]+$ ]] || die "CLAIMS_PREFILL must be a number of claims, not '$CLAIMS_PREFILL'"
+for entry in $PLUGIN; do
+  [[ "$entry" =~ ^[a-z0-9-]+(@[1-9][0-9]*)?$ ]] ||
+    die "PLUGIN takes plugin names from plugins/dist, each optionally @N (messages per instance), not '$entry'"
+done
 
 scripts/services.sh >&2
 if curl -s --max-time 1 -o /dev/null "http://127.0.0.1:$HTTP_PORT/"; then
@@ -96,20 +109,26 @@ fi
 if [ "$BUILD" = 1 ]; then
   command -v cargo >/dev/null ||
     die "cargo not found; install Rust (rustup), or run with BUILD=0 and binaries in target/release"
-  say "building idem and idem-traffic (release) and the loyalty plugin"
-  cargo build --release -p idem-host --bin idem -p idem-e2e --bin idem-traffic ||
+  say "building idem, idem-traffic and raw-consume (release) and the plugins"
+  cargo build --release -p idem-host --bin idem -p idem-e2e --bin idem-traffic -p idem-bench --bin raw-consume ||
     die "cargo build --release failed (see above); BUILD=0 reuses the binaries in target/release"
   scripts/build-plugins.sh >/dev/null || die "scripts/build-plugins.sh failed (see above)"
 fi
 [ -x "$idem" ] || die "$idem is missing; build it with: cargo build --release -p idem-host --bin idem"
-[ -f "$plugin" ] || die "$plugin is missing; build it with: scripts/build-plugins.sh"
+for entry in $PLUGIN; do
+  [ -f "$root/plugins/dist/${entry%@*}.wasm" ] ||
+    die "plugins/dist/${entry%@*}.wasm is missing; build it with: scripts/build-plugins.sh (Python: pip install componentize-py==0.25.1; JavaScript: cd plugins/loyalty-js && npm ci)"
+done
+if [[ " $BASELINES " == *" raw "* ]] && [ ! -x "$raw_consume" ]; then
+  die "$raw_consume is missing; build it with: cargo build --release -p idem-bench --bin raw-consume"
+fi
 if [ "$PUBLISHER" = idem-traffic ] && [ ! -x "$traffic" ]; then
   die "$traffic is missing; build it with: cargo build --release -p idem-e2e --bin idem-traffic (or PUBLISHER=python)"
 fi
 
 mkdir -p "$logs"
 rm -f "$logs"/*
-printf 'kind\tworkers\tbatch\tstatus\tmsgs_s\tp50_ms\tp99_ms\toutcomes\trss_kib\tcheck\tnote\n' >"$runs"
+printf 'kind\tworkers\tbatch\tplugin\tstatus\tmsgs_s\tp50_ms\tp99_ms\toutcomes\trss_kib\tcheck\tnote\n' >"$runs"
 failures=0
 duplicates_count=$(awk -v n="$ORDERS" -v d="$DUPLICATES" 'BEGIN { x = n * d; printf "%d", (x - int(x) >= 0.5) ? int(x) + 1 : int(x) }')
 messages=$((ORDERS + duplicates_count)) # what idem-traffic publishes: every order once + redeliveries
@@ -125,20 +144,22 @@ stop_idem() { # on exit or interrupt: stop the host this script started, and onl
 trap stop_idem EXIT
 trap 'exit 130' INT TERM
 
-record() { # record kind workers batch status msgs_s p50 p99 outcomes rss check note
+record() { # record kind workers batch plugin status msgs_s p50 p99 outcomes rss check note
   local IFS=$'\t'
   echo "$*" >>"$runs"
 }
 
 # --- one fresh data set ---------------------------------------------------------------------
-write_config() { # write_config <file> <workers> <batch size> [batch table: 1 (default) | 0]
-  local file="$1" workers="$2" batch="$3" table="${4:-1}" prefetch="$PREFETCH"
+write_config() { # write_config <file> <workers> <batch size> [batch table: 1 (default) | 0] [plugin[@N]]
+  local file="$1" workers="$2" batch="$3" table="${4:-1}" entry="${5:-loyalty}" prefetch="$PREFETCH"
+  local plugin="$root/plugins/dist/${entry%@*}.wasm" per_instance=1
+  [[ "$entry" == *@* ]] && per_instance="${entry##*@}"
   if [ "$batch" -gt 1 ] && [ $((2 * batch * workers)) -gt "$prefetch" ]; then
     prefetch=$((2 * batch * workers))
     [ "$prefetch" -le 65535 ] || prefetch=65535
   fi
   cat >"$file" <<EOF
-# Written by bench/throughput.sh: the loyalty pipeline at $workers worker(s), batch size $batch.
+# Written by bench/throughput.sh: the loyalty pipeline ($entry) at $workers worker(s), batch size $batch.
 [database]
 url = "$db_url"
 max_connections = $workers   # the same number of connections as the baselines
@@ -161,6 +182,13 @@ watch = false
 [pipelines.bench.retention]
 every = "0s"    # no background cleaning during the measurement
 EOF
+  if [ "$per_instance" != 1 ]; then
+    cat >>"$file" <<EOF
+
+[pipelines.bench.limits]
+messages_per_instance = $per_instance
+EOF
+  fi
   if [ "$table" = 1 ] && [ "$batch" -gt 1 ]; then
     cat >>"$file" <<EOF
 
@@ -190,13 +218,46 @@ EOF
 base_config="$logs/base.toml"
 write_config "$base_config" 1 1 0 # for `idem migrate`, which any build accepts
 
+template="${DB_NAME}_claims"
+template_ready=0
 fresh_database() {
-  PGOPTIONS="-c client_min_messages=warning" psql "$admin_url" -qX -v ON_ERROR_STOP=1 \
-    -c "DROP DATABASE IF EXISTS $DB_NAME WITH (FORCE)" -c "CREATE DATABASE $DB_NAME" >/dev/null
-  "$idem" migrate --config "$base_config" >>"$logs/setup.log" 2>&1 ||
-    die "idem migrate failed; see $logs/setup.log"
-  psql "$db_url" -qX -v ON_ERROR_STOP=1 -f examples/loyalty/schema.sql >/dev/null
+  if [ "$CLAIMS_PREFILL" -gt 0 ]; then
+    [ "$template_ready" = 1 ] || prefill_template
+    PGOPTIONS="-c client_min_messages=warning" psql "$admin_url" -qX -v ON_ERROR_STOP=1 \
+      -c "DROP DATABASE IF EXISTS $DB_NAME WITH (FORCE)" \
+      -c "CREATE DATABASE $DB_NAME TEMPLATE $template STRATEGY FILE_COPY" >/dev/null
+  else
+    PGOPTIONS="-c client_min_messages=warning" psql "$admin_url" -qX -v ON_ERROR_STOP=1 \
+      -c "DROP DATABASE IF EXISTS $DB_NAME WITH (FORCE)" -c "CREATE DATABASE $DB_NAME" >/dev/null
+    migrate_and_create_tables "$db_url"
+  fi
   psql "$db_url" -qX -c "CHECKPOINT" >/dev/null # no checkpoint of the set-up inside the timing
+}
+
+migrate_and_create_tables() { # migrate_and_create_tables <database url>
+  sed "s|$db_url|$1|" "$base_config" >"$logs/migrate.toml"
+  "$idem" migrate --config "$logs/migrate.toml" >>"$logs/setup.log" 2>&1 ||
+    die "idem migrate failed; see $logs/setup.log"
+  psql "$1" -qX -v ON_ERROR_STOP=1 -f examples/loyalty/schema.sql >/dev/null
+}
+
+# CLAIMS_PREFILL old claims of the same consumer, months old, their keys spread through the
+# key space of the run's own (order-completed:100000001…), in a template every run copies.
+prefill_template() {
+  local started template_url="$PG_URL/$template"
+  started=$(now_ns)
+  say "filling $template with $CLAIMS_PREFILL old claims (once; every run copies it)"
+  PGOPTIONS="-c client_min_messages=warning" psql "$admin_url" -qX -v ON_ERROR_STOP=1 \
+    -c "DROP DATABASE IF EXISTS $template WITH (FORCE)" -c "CREATE DATABASE $template" >/dev/null
+  migrate_and_create_tables "$template_url"
+  psql "$template_url" -qX -v ON_ERROR_STOP=1 -c "
+    INSERT INTO processed_messages (consumer, message_key, processed_at)
+    SELECT 'loyalty', 'order-completed:' || (100000000 + i),
+           now() - interval '180 days' + i * (interval '170 days' / $CLAIMS_PREFILL)
+    FROM generate_series(1, $CLAIMS_PREFILL) AS i" -c "VACUUM ANALYZE processed_messages" >/dev/null ||
+    die "cannot fill $template with $CLAIMS_PREFILL claims"
+  template_ready=1
+  say "filled $template in $((($(now_ns) - started) / 1000000000)) s (not timed)"
 }
 
 fresh_queues_and_publish() { # publishes the run's messages into an empty queue
@@ -224,7 +285,7 @@ verify() { # verify <label> <consumer run: 1|0>; prints PASS/FAIL with the figur
   row="$(psql "$db_url" -qAtX -F ' ' -v ON_ERROR_STOP=1 -c "
     SELECT (SELECT count(*) FROM point_ledger),
            (SELECT count(DISTINCT order_id) FROM point_ledger),
-           (SELECT count(*) FROM processed_messages WHERE consumer = 'loyalty'),
+           (SELECT count(*) FROM processed_messages WHERE consumer = 'loyalty') - $CLAIMS_PREFILL,
            (SELECT count(*) FROM (SELECT customer_id, sum(points) AS points FROM point_ledger GROUP BY 1) l
               FULL JOIN balances b USING (customer_id) WHERE l.points IS DISTINCT FROM b.points),
            (SELECT count(*) FROM point_ledger
@@ -317,7 +378,7 @@ run_pgbench() { # run_pgbench <clients>
     echo "$output" >"$logs/pgbench-c$clients.log"
     say "$label: pgbench failed; see $logs/pgbench-c$clients.log"
     failures=$((failures + 1))
-    record pgbench "$clients" - failed - - - - - FAIL "pgbench failed"
+    record pgbench "$clients" - - failed - - - - - FAIL "pgbench failed"
     return
   fi
   echo "$output" >"$logs/pgbench-c$clients.log"
@@ -335,7 +396,7 @@ run_pgbench() { # run_pgbench <clients>
   verify "$label" 0
   local applied
   applied="$(psql "$db_url" -qAtX -c "SELECT count(*) FROM point_ledger")"
-  record pgbench "$clients" - ok "$rate" "${latencies%%$'\t'*}" "${latencies##*$'\t'}" \
+  record pgbench "$clients" - - ok "$rate" "${latencies%%$'\t'*}" "${latencies##*$'\t'}" \
     "applied $applied, duplicate $((messages - applied))" - "$check" "transaction latency"
 }
 
@@ -350,7 +411,7 @@ run_reference() { # run_reference <workers>
     --idle-timeout 10 2>"$logs/reference-w$workers.log")"; then
     say "$label: the reference consumer failed; see $logs/reference-w$workers.log"
     failures=$((failures + 1))
-    record reference "$workers" - failed - - - - - FAIL "consumer failed"
+    record reference "$workers" - - failed - - - - - FAIL "consumer failed"
     return
   fi
   json="$(tail -n 1 <<<"$output")"
@@ -369,13 +430,37 @@ print(r["messages_per_second"], r["p50_ms"], r["p99_ms"],
   if [ "$applied" != "$ORDERS" ] && [ "$check" = PASS ]; then
     check=FAIL; failures=$((failures + 1)); say "$label: FAIL (consumer applied $applied, expected $ORDERS)"
   fi
-  record reference "$workers" - ok "$rate" "$p50" "$p99" "$outcomes" "$rss" "$check" "summed over processes"
+  record reference "$workers" - - ok "$rate" "$p50" "$p99" "$outcomes" "$rss" "$check" "summed over processes"
 }
 
-run_idem() { # run_idem <workers> <batch size>
-  local workers="$1" batch="$2" label="idem w=$1 batch=$2"
-  local config="$logs/idem-w$workers-b$batch.toml" log="$logs/idem-w$workers-b$batch.log"
-  write_config "$config" "$workers" "$batch"
+run_raw() { # run_raw <channels>
+  local channels="$1" label="raw c=$1" output rate
+  say "$label: publishing $messages messages"
+  fresh_queues_and_publish
+  say "$label: consuming (ack only)"
+  if ! output="$("$raw_consume" --queue "$QUEUE" --expect "$messages" --prefetch "$PREFETCH" \
+    --channels "$channels" 2>"$logs/raw-c$channels.log")"; then
+    say "$label: raw-consume failed; see $logs/raw-c$channels.log"
+    failures=$((failures + 1))
+    record raw "$channels" - - failed - - - - - FAIL "raw-consume failed"
+    return
+  fi
+  rate="$(sed -n 's/.*: \([0-9.]*\) messages\/s$/\1/p' <<<"$output")"
+  [ -n "$rate" ] || die "cannot read raw-consume's figure: $output"
+  local left check=PASS
+  left="$("$py" bench/reference/queues.py depth "$QUEUE")"
+  if [ "$left" != 0 ]; then
+    check=FAIL; failures=$((failures + 1)); say "$label: FAIL ($left messages left in $QUEUE)"
+  fi
+  say "$label: $rate messages/s"
+  record raw "$channels" - - ok "$rate" - - "acked $messages" - "$check" "one ack per delivery"
+}
+
+run_idem() { # run_idem <workers> <batch size> <plugin[@N]>
+  local workers="$1" batch="$2" entry="$3" label="idem $3 w=$1 batch=$2"
+  local run_name="idem-${entry/@/-reuse}-w$workers-b$batch"
+  local config="$logs/$run_name.toml" log="$logs/$run_name.log"
+  write_config "$config" "$workers" "$batch" 1 "$entry"
   say "$label: publishing $messages messages"
   fresh_database
   fresh_queues_and_publish
@@ -383,7 +468,7 @@ run_idem() { # run_idem <workers> <batch size>
   if [ "$batch" = 1 ] && ! "$idem" check --config "$config" >"$log" 2>&1; then
     # A build without batching refuses the table; without it, it is one message per
     # transaction anyway.
-    write_config "$config" "$workers" 1 0
+    write_config "$config" "$workers" 1 0 "$entry"
     note="no batch table (this build refuses it)"
     say "$label: this idem refuses [pipelines.bench.batch]; running it without the table"
   fi
@@ -392,11 +477,11 @@ run_idem() { # run_idem <workers> <batch size>
     reason="$(grep -v '^\s*$' "$log" | head -n 3 | tr '\n' ' ' | cut -c1-160)"
     if [ "$batch" -gt 1 ]; then
       say "$label: REFUSED: this idem does not accept [pipelines.bench.batch] ($reason); skipping this run"
-      record idem "$workers" "$batch" refused - - - - - - "config refused: $reason"
+      record idem "$workers" "$batch" "$entry" refused - - - - - - "config refused: $reason"
     else
       say "$label: FAIL: idem check refused the config: $reason (full output in $log)"
       failures=$((failures + 1))
-      record idem "$workers" "$batch" failed - - - - - FAIL "idem check failed"
+      record idem "$workers" "$batch" "$entry" failed - - - - - FAIL "idem check failed"
     fi
     return
   fi
@@ -424,11 +509,11 @@ run_idem() { # run_idem <workers> <batch size>
     reason="$(grep -iE 'error|refus|unknown' "$log" | tail -n 2 | tr '\n' ' ' | cut -c1-160)"
     if [ "$batch" -gt 1 ]; then
       say "$label: REFUSED at start-up (exit $status): $reason; see $log"
-      record idem "$workers" "$batch" refused - - - - - - "refused at start-up: $reason"
+      record idem "$workers" "$batch" "$entry" refused - - - - - - "refused at start-up: $reason"
     else
       say "$label: FAIL: idem did not become ready (exit $status); see $log"
       failures=$((failures + 1))
-      record idem "$workers" "$batch" failed - - - - - FAIL "not ready"
+      record idem "$workers" "$batch" "$entry" failed - - - - - FAIL "not ready"
     fi
     return
   fi
@@ -440,7 +525,7 @@ run_idem() { # run_idem <workers> <batch size>
     [ $(($(now_ns) - ready_ns)) -lt $((RUN_TIMEOUT * 1000000000)) ] || break
     sleep 0.2  # coarse on purpose: curl + awk every 50 ms cost ~17% of the 2 CPUs
   done
-  curl -fsS --max-time 5 "$metrics_url" >"$logs/idem-w$workers-b$batch.metrics" 2>/dev/null || true
+  curl -fsS --max-time 5 "$metrics_url" >"$logs/$run_name.metrics" 2>/dev/null || true
   local rss_kib
   rss_kib="$(awk '/^VmHWM:/ { print $2 }' "/proc/$pid/status" 2>/dev/null || echo -)"
   local exit_status=0
@@ -450,12 +535,12 @@ run_idem() { # run_idem <workers> <batch size>
   wait "$pid" || exit_status=$?
   idem_pid=""
   local rate summary p50 p99 outcomes
-  summary="$(histogram_summary "$logs/idem-w$workers-b$batch.metrics")"
+  summary="$(histogram_summary "$logs/$run_name.metrics")"
   IFS=$'\t' read -r p50 p99 outcomes <<<"$summary"
   if [ -z "$done_ns" ]; then
     say "$label: FAIL: only ${count:-0} of $messages messages settled within ${RUN_TIMEOUT} s (exit $exit_status; $outcomes); see $log"
     failures=$((failures + 1))
-    record idem "$workers" "$batch" failed - - - "$outcomes" "${rss_kib:--}" FAIL "${count:-0}/$messages settled in $RUN_TIMEOUT s"
+    record idem "$workers" "$batch" "$entry" failed - - - "$outcomes" "${rss_kib:--}" FAIL "${count:-0}/$messages settled in $RUN_TIMEOUT s"
     return
   fi
   rate="$(awk -v m="$messages" -v ns=$((done_ns - ready_ns)) 'BEGIN { printf "%.1f", m / (ns / 1e9) }')"
@@ -472,7 +557,7 @@ run_idem() { # run_idem <workers> <batch size>
   if [ "${applied:-0}" != "$ORDERS" ] && [ "$check" = PASS ]; then
     check=FAIL; failures=$((failures + 1)); say "$label: FAIL (idem counted ${applied:-0} applied, expected $ORDERS)"
   fi
-  record idem "$workers" "$batch" ok "$rate" "$p50" "$p99" "$outcomes" "$rss_kib" "$check" "$note"
+  record idem "$workers" "$batch" "$entry" ok "$rate" "$p50" "$p99" "$outcomes" "$rss_kib" "$check" "$note"
 }
 
 started_at="$(date -u '+%Y-%m-%d %H:%M:%S UTC')"
@@ -480,13 +565,16 @@ say "$messages messages per run ($ORDERS orders + $duplicates_count redeliveries
 for workers in $WORKERS; do
   for baseline in $BASELINES; do
     case "$baseline" in
+      raw) run_raw "$workers" ;;
       pgbench) run_pgbench "$workers" ;;
       reference) run_reference "$workers" ;;
-      *) die "unknown baseline '$baseline' in BASELINES (pgbench, reference)" ;;
+      *) die "unknown baseline '$baseline' in BASELINES (raw, pgbench, reference)" ;;
     esac
   done
-  for batch in $BATCH_SIZES; do
-    run_idem "$workers" "$batch"
+  for entry in $PLUGIN; do
+    for batch in $BATCH_SIZES; do
+      run_idem "$workers" "$batch" "$entry"
+    done
   done
 done
 
@@ -504,16 +592,23 @@ load_after="$(cut -d' ' -f1-3 /proc/loadavg)"
   echo "machine: $(nproc) CPUs ($cpu_model), $memory; PostgreSQL $pg_version; $rabbit_version; idem $revision"
   echo "load average before: $load_before, after: $load_after"
   echo "data: $messages messages per run = $ORDERS orders + $duplicates_count redeliveries ($DUPLICATES), $CUSTOMERS customers; publisher: $PUBLISHER; prefetch $PREFETCH; batch linger $BATCH_LINGER"
+  echo "claims already in processed_messages before each run: $CLAIMS_PREFILL (CLAIMS_PREFILL); plugins: $PLUGIN"
   echo
   "$py" - "$runs" <<'PY'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
 
+plugins = list(dict.fromkeys(r["plugin"] for r in rows if r["kind"] == "idem"))
+rust = "loyalty"
+
 def name(r):
     if r["kind"] == "idem":
-        return f"idem       workers={r['workers']} batch={r['batch']}"
+        plugin = "" if plugins == [rust] else f" {r['plugin']}"
+        return f"idem       workers={r['workers']} batch={r['batch']}{plugin}"
     if r["kind"] == "pgbench":
         return f"pgbench    connections={r['workers']}"
+    if r["kind"] == "raw":
+        return f"raw        channels={r['workers']}"
     return f"reference  workers={r['workers']}"
 
 def size(kib):
@@ -539,35 +634,49 @@ print()
 print("latency: idem, delivery to settlement (idem_message_seconds histogram, interpolated inside")
 print("its power-of-two buckets); reference, callback to ack; pgbench, one transaction.")
 print("peak RSS: idem VmHWM of the one process; reference summed over its worker processes.")
+print("raw: a consumer that only acks (one ack per delivery), the broker's own rate at this prefetch.")
 print()
 
-def rate(kind, workers, batch=None):
+def rate(kind, workers, batch=None, plugin=None):
     for r in rows:
-        if r["kind"] == kind and r["workers"] == workers and r["status"] == "ok" and (batch is None or r["batch"] == batch):
+        if (r["kind"] == kind and r["workers"] == workers and r["status"] == "ok"
+                and (batch is None or r["batch"] == batch) and (plugin is None or r["plugin"] == plugin)):
             return float(r["msgs_s"])
     return None
 
 def ratio(a, b):
     return f"{a / b:.2f}" if a and b else "n/a"
 
-print(f"{'ratios (messages/s over messages/s)':<50}  {'idem/pgbench':>12}  {'idem/reference':>14}")
-for workers in sorted({r["workers"] for r in rows if r["kind"] == "idem"}, key=int):
-    candidates = [r for r in rows if r["kind"] == "idem" and r["workers"] == workers and r["status"] == "ok"]
-    best = max(candidates, key=lambda r: float(r["msgs_s"]), default=None)
-    pg, ref = rate("pgbench", workers), rate("reference", workers)
-    one = rate("idem", workers, "1")
-    print(f"{f'workers {workers}, batch 1':<50}  {ratio(one, pg):>12}  {ratio(one, ref):>14}")
-    if best is None:
-        print(f"{f'workers {workers}, best batch':<50}  {'n/a':>12}  {'n/a':>14}")
-    else:
-        label = f"workers {workers}, best batch ({best['batch']})"
-        for status in ("refused", "failed"):
-            batches = [r["batch"] for r in rows if r["kind"] == "idem" and r["workers"] == workers and r["status"] == status]
-            if batches:
-                label += f"; {status}: {' '.join(batches)}"
-        b = float(best["msgs_s"])
-        print(f"{label:<50}  {ratio(b, pg):>12}  {ratio(b, ref):>14}")
-print()
+for plugin in plugins:
+    title = f"ratios, {plugin} (messages/s over messages/s)"
+    print(f"{title:<50}  {'idem/pgbench':>12}  {'idem/reference':>14}  {'idem/raw':>8}")
+    for workers in sorted({r["workers"] for r in rows if r["kind"] == "idem"}, key=int):
+        mine = [r for r in rows if r["kind"] == "idem" and r["workers"] == workers and r["plugin"] == plugin]
+        candidates = [r for r in mine if r["status"] == "ok"]
+        best = max(candidates, key=lambda r: float(r["msgs_s"]), default=None)
+        pg, ref, raw = rate("pgbench", workers), rate("reference", workers), rate("raw", workers)
+        one = rate("idem", workers, "1", plugin)
+        print(f"{f'workers {workers}, batch 1':<50}  {ratio(one, pg):>12}  {ratio(one, ref):>14}  {ratio(one, raw):>8}")
+        if best is None:
+            print(f"{f'workers {workers}, best batch':<50}  {'n/a':>12}  {'n/a':>14}  {'n/a':>8}")
+        else:
+            label = f"workers {workers}, best batch ({best['batch']})"
+            for status in ("refused", "failed"):
+                batches = [r["batch"] for r in mine if r["status"] == status]
+                if batches:
+                    label += f"; {status}: {' '.join(batches)}"
+            b = float(best["msgs_s"])
+            print(f"{label:<50}  {ratio(b, pg):>12}  {ratio(b, ref):>14}  {ratio(b, raw):>8}")
+    print()
+others = [plugin for plugin in plugins if plugin != rust]
+if others and rust in plugins:
+    print(f"{'plugin builds against Rust, same workers and batch':<50}  " + "  ".join(f"{p:>18}" for p in others))
+    for r in rows:
+        if r["kind"] == "idem" and r["plugin"] == rust:
+            label = f"workers {r['workers']}, batch {r['batch']}"
+            cells = [ratio(rate("idem", r["workers"], r["batch"], p), rate("idem", r["workers"], r["batch"], rust)) for p in others]
+            print(f"{label:<50}  " + "  ".join(f"{c:>18}" for c in cells))
+    print()
 passed = sum(r["check"] == "PASS" for r in rows)
 failed = [r for r in rows if r["check"] == "FAIL"]
 print(f"verification after every run: {passed} PASS, {len(failed)} FAIL")

@@ -6,27 +6,12 @@
 //! Run: `cargo bench -p idem-bench --bench host_overhead`
 
 use std::hint::black_box;
-use std::path::Path;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use idem_host::config::Config;
 use idem_host::effect::Outcome;
 use idem_host::ledger::Plan;
 use idem_host::message::InboundMessage;
 use idem_host::plugin::PluginRuntime;
-use idem_host::statement::StatementCatalog;
-
-const SCHEMA: &str = include_str!("../../examples/loyalty/schema.sql");
-
-fn config(database_url: &str) -> Config {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let text = std::fs::read_to_string(root.join("pipelines.toml")).expect("pipelines.toml");
-    let text = text.replace(
-        "${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/idem_demo}",
-        database_url,
-    );
-    Config::from_toml(&root.join("pipelines.toml"), &text).expect("pipelines.toml is valid")
-}
 
 fn host_overhead(criterion: &mut Criterion) {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -37,31 +22,13 @@ fn host_overhead(criterion: &mut Criterion) {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let database_url = std::env::var("IDEM_BENCH_DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idem_bench_micro".into());
-    let config = config(&database_url);
+    let config = idem_bench::demo_config(&database_url);
     let pipeline = &config.pipelines[0];
-    let catalog = runtime.block_on(async {
-        let admin = sqlx::PgPool::connect(&admin_url)
-            .await
-            .expect("PostgreSQL reachable");
-        let database = database_url
-            .rsplit('/')
-            .next()
-            .unwrap_or("idem_bench_micro");
-        let _ = sqlx::query(&format!("CREATE DATABASE \"{database}\""))
-            .execute(&admin)
-            .await;
-        let pool = sqlx::PgPool::connect(&database_url)
-            .await
-            .expect("bench database");
-        idem_host::database::MIGRATOR
-            .run(&pool)
-            .await
-            .expect("migrations");
-        sqlx::raw_sql(SCHEMA).execute(&pool).await.expect("schema");
-        StatementCatalog::prepare(&pool, pipeline)
-            .await
-            .expect("statements prepare")
-    });
+    let (_pool, catalog) = runtime.block_on(idem_bench::loyalty_database(
+        &admin_url,
+        &database_url,
+        pipeline,
+    ));
     let plugin_runtime = PluginRuntime::new().expect("plugin runtime");
     let plugin = plugin_runtime
         .load(&pipeline.plugin)

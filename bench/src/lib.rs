@@ -37,8 +37,91 @@ pub fn micros(duration: Duration) -> String {
 pub fn order_body(order_id: i64) -> Vec<u8> {
     format!(
         r#"{{"type": "OrderCompleted", "order_id": {order_id}, "customer_id": {}, "total_cents": {}}}"#,
-        order_id % 97,
-        1000 + order_id * 7 % 9000
+        order_customer(order_id),
+        order_total_cents(order_id)
     )
     .into_bytes()
+}
+
+/// The customer of order `order_id` in [`order_body`].
+pub fn order_customer(order_id: i64) -> i64 {
+    order_id % 97
+}
+
+/// The total of order `order_id` in [`order_body`], in cents.
+pub fn order_total_cents(order_id: i64) -> i64 {
+    1000 + order_id * 7 % 9000
+}
+
+/// The repository's `pipelines.toml` (the loyalty pipeline) pointed at `database_url`.
+pub fn demo_config(database_url: &str) -> idem_host::config::Config {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let text = std::fs::read_to_string(root.join("pipelines.toml")).expect("pipelines.toml");
+    let text = text.replace(
+        "${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/idem_demo}",
+        database_url,
+    );
+    idem_host::config::Config::from_toml(&root.join("pipelines.toml"), &text)
+        .expect("pipelines.toml is valid")
+}
+
+/// A fresh database at `database_url` (created through `admin_url` if missing, emptied if
+/// not) with idem's tables and the loyalty schema, and `pipeline`'s statements prepared.
+pub async fn loyalty_database(
+    admin_url: &str,
+    database_url: &str,
+    pipeline: &idem_host::config::PipelineConfig,
+) -> (sqlx::PgPool, idem_host::statement::StatementCatalog) {
+    const SCHEMA: &str = include_str!("../../examples/loyalty/schema.sql");
+    let admin = sqlx::PgPool::connect(admin_url)
+        .await
+        .expect("PostgreSQL reachable");
+    let database = database_url.rsplit('/').next().expect("a database name");
+    let _ = sqlx::query(&format!("CREATE DATABASE \"{database}\""))
+        .execute(&admin)
+        .await;
+    admin.close().await;
+    let pool = sqlx::PgPool::connect(database_url)
+        .await
+        .expect("bench database");
+    idem_host::database::MIGRATOR
+        .run(&pool)
+        .await
+        .expect("migrations");
+    sqlx::raw_sql(SCHEMA).execute(&pool).await.expect("schema");
+    sqlx::raw_sql("TRUNCATE processed_messages, balances, point_ledger")
+        .execute(&pool)
+        .await
+        .expect("empty tables");
+    let catalog = idem_host::statement::StatementCatalog::prepare(&pool, pipeline)
+        .await
+        .expect("statements prepare");
+    (pool, catalog)
+}
+
+/// The loyalty plugin's decision for an order, computed natively.
+pub fn loyalty_decision(
+    order_id: i64,
+    customer_id: i64,
+    total_cents: i64,
+) -> idem_host::effect::Decision {
+    use idem_host::effect::{Decision, Effect, Value};
+    let points = total_cents / 100;
+    Decision {
+        key: format!("order-completed:{order_id}"),
+        effects: vec![
+            Effect::Exec {
+                statement: "credit_balance".into(),
+                params: vec![Value::Integer(customer_id), Value::Integer(points)],
+            },
+            Effect::Exec {
+                statement: "record_ledger".into(),
+                params: vec![
+                    Value::Integer(customer_id),
+                    Value::Integer(order_id),
+                    Value::Integer(points),
+                ],
+            },
+        ],
+    }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use idem_bench::{Percentiles, micros};
 use idem_host::config::PluginLimits;
-use idem_host::effect::{Decision, Effect, Outcome, Value};
+use idem_host::effect::Outcome;
 use idem_host::message::InboundMessage;
 use idem_host::plugin::PluginRuntime;
 use idem_host::plugin::pool::PoolSize;
@@ -19,26 +19,11 @@ const MESSAGES: usize = 20_000;
 /// The loyalty plugin's logic, natively: the floor of what any sandbox can cost.
 fn native_decision(body: &[u8]) -> Option<Outcome> {
     let event: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let order_id = event.get("order_id")?.as_i64()?;
-    let customer_id = event.get("customer_id")?.as_i64()?;
-    let points = event.get("total_cents")?.as_i64()? / 100;
-    Some(Outcome::Decision(Decision {
-        key: format!("order-completed:{order_id}"),
-        effects: vec![
-            Effect::Exec {
-                statement: "credit_balance".into(),
-                params: vec![Value::Integer(customer_id), Value::Integer(points)],
-            },
-            Effect::Exec {
-                statement: "record_ledger".into(),
-                params: vec![
-                    Value::Integer(customer_id),
-                    Value::Integer(order_id),
-                    Value::Integer(points),
-                ],
-            },
-        ],
-    }))
+    Some(Outcome::Decision(idem_bench::loyalty_decision(
+        event.get("order_id")?.as_i64()?,
+        event.get("customer_id")?.as_i64()?,
+        event.get("total_cents")?.as_i64()?,
+    )))
 }
 
 /// Each plugin is measured for this many messages, or this long, whichever comes first.
@@ -77,6 +62,11 @@ async fn main() {
         memory_mib: std::num::NonZeroU32::new(256).expect("non-zero"),
         ..PluginLimits::default()
     };
+    // Opt-in reuse (`limits.messages_per_instance`): one instance serves 1,000 messages.
+    let reused = PluginLimits {
+        messages_per_instance: std::num::NonZeroU32::new(1_000).expect("non-zero"),
+        ..limits
+    };
     let messages: Vec<InboundMessage> = (0..(WARMUP + MESSAGES) as i64)
         .map(|order_id| InboundMessage {
             pipeline: "loyalty".into(),
@@ -87,8 +77,12 @@ async fn main() {
 
     let mut measured = Vec::new();
     for path in &paths {
-        for (label, runtime) in [("on demand", &on_demand), ("pooled", &pooled)] {
-            let mut plugin = measure(runtime, &limits, path, &messages).await;
+        for (label, runtime, limits) in [
+            ("on demand", &on_demand, &limits),
+            ("pooled", &pooled, &limits),
+            ("reused x1000", &pooled, &reused),
+        ] {
+            let mut plugin = measure(runtime, limits, path, &messages).await;
             plugin.path = format!(
                 "{} ({label})",
                 plugin.path.trim_start_matches("plugins/dist/")
@@ -99,16 +93,16 @@ async fn main() {
     let native = measure_native(&messages);
 
     println!(
-        "plugin overhead: fresh sandbox + call per message, up to {MESSAGES} messages or {}s per plugin after warm-up",
+        "plugin overhead: sandbox + call per message (a fresh instance on demand or from the pool, or an instance serving 1,000 messages), up to {MESSAGES} messages or {}s per plugin after warm-up",
         TIME_BUDGET.as_secs()
     );
     println!(
-        "{:<30} {:>9} {:>11} {:>8} {:>10} {:>10} {:>10} {:>12}",
+        "{:<34} {:>9} {:>11} {:>8} {:>10} {:>10} {:>10} {:>12}",
         "", "size", "compile", "calls", "p50", "p99", "mean", "memory/call"
     );
     for plugin in &measured {
         println!(
-            "{:<30} {:>6} KiB {:>8.1} ms {:>8} {:>10} {:>10} {:>10} {:>8} KiB",
+            "{:<34} {:>6} KiB {:>8.1} ms {:>8} {:>10} {:>10} {:>10} {:>8} KiB",
             plugin.path,
             plugin.size / 1024,
             plugin.compile.as_secs_f64() * 1e3,
@@ -120,7 +114,7 @@ async fn main() {
         );
     }
     println!(
-        "{:<30} {:>9} {:>11} {:>8} {:>10} {:>10} {:>10} {:>12}",
+        "{:<34} {:>9} {:>11} {:>8} {:>10} {:>10} {:>10} {:>12}",
         "baseline: native Rust",
         "-",
         "-",

@@ -1,0 +1,114 @@
+//! The broker's raw rate: a consumer that does nothing but ack, on the same queue, messages
+//! and prefetch as an idem run, so `bench/throughput.sh` can say how much of the broker's own
+//! ceiling idem reaches.
+//!
+//! `raw-consume --queue Q --expect N --prefetch P --channels C` consumes until N messages are
+//! acked (one ack per delivery, as a plain consumer does) over C channels of one connection,
+//! then prints `consumed N messages in S seconds: R messages/s`. The clock starts at the
+//! first delivery.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{Connection, ConnectionProperties};
+
+fn argument(name: &str) -> Option<String> {
+    let mut arguments = std::env::args().skip(1);
+    while let Some(argument) = arguments.next() {
+        if argument == name {
+            return arguments.next();
+        }
+    }
+    None
+}
+
+fn required<T: std::str::FromStr>(name: &str) -> T {
+    argument(name)
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| {
+            eprintln!(
+                "raw-consume: {name} is required (usage: raw-consume --queue Q --expect N --prefetch P --channels C)"
+            );
+            std::process::exit(2)
+        })
+}
+
+#[tokio::main]
+async fn main() {
+    let queue: String = required("--queue");
+    let expect: u64 = required("--expect");
+    let prefetch: u16 = required("--prefetch");
+    let channels: u16 = required("--channels");
+    let url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_string());
+    let connection = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|error| {
+            eprintln!("raw-consume: cannot connect to {url}: {error}");
+            std::process::exit(1)
+        });
+    let (counted, mut count) = tokio::sync::mpsc::unbounded_channel::<Instant>();
+    for number in 0..channels {
+        let channel = connection.create_channel().await.expect("channel");
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .expect("qos");
+        let mut consumer = channel
+            .basic_consume(
+                ShortString::from(queue.as_str()),
+                ShortString::from(format!("raw-consume-{number}")),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|error| {
+                eprintln!("raw-consume: cannot consume from {queue}: {error}");
+                std::process::exit(1)
+            });
+        let counted = counted.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(delivery)) = consumer.next().await {
+                if delivery
+                    .acker
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+                if counted.send(Instant::now()).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    drop(counted);
+    let mut first = None;
+    let mut last = None;
+    let mut acked = 0u64;
+    while acked < expect {
+        match tokio::time::timeout(Duration::from_secs(30), count.recv()).await {
+            Ok(Some(at)) => {
+                first.get_or_insert(at);
+                last = Some(at);
+                acked += 1;
+            }
+            Ok(None) | Err(_) => {
+                eprintln!("raw-consume: only {acked} of {expect} messages arrived");
+                std::process::exit(1)
+            }
+        }
+    }
+    let seconds = match (first, last) {
+        (Some(first), Some(last)) => last.duration_since(first).as_secs_f64().max(1e-9),
+        _ => 1e-9,
+    };
+    println!(
+        "consumed {acked} messages in {seconds:.3} seconds: {:.1} messages/s",
+        acked as f64 / seconds
+    );
+    let _ = connection.close(200, ShortString::from("done")).await;
+}

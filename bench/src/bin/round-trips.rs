@@ -1,0 +1,261 @@
+//! What round trips cost one message's transaction, before any change of driver: the loyalty
+//! transaction (claim, credit, ledger row) for the same orders, three ways, in one run:
+//!
+//! - `idem (sqlx)`: the host's own code, `ledger::apply`: BEGIN with the timeouts, the claim,
+//!   two effects, COMMIT; five round trips, each statement waiting for the last;
+//! - `tokio-postgres, one by one`: the same five statements and round trips on another
+//!   driver, to separate the driver's cost from the round trips';
+//! - `tokio-postgres, pipelined`: BEGIN with the claim in one flight, then (the claim being
+//!   new) both effects and COMMIT in a second: two round trips.
+//!
+//! Run: `cargo run --release -p idem-bench --bin round-trips` (PostgreSQL on 127.0.0.1;
+//! IDEM_BENCH_ADMIN_URL and IDEM_BENCH_DATABASE_URL override where).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use idem_bench::{Percentiles, loyalty_decision, order_customer, order_total_cents};
+use idem_host::config::PipelineConfig;
+use idem_host::ledger::{ClaimOutcome, Plan};
+use idem_host::statement::StatementCatalog;
+use tokio_postgres::types::Type;
+
+const ORDERS_PER_RUN: i64 = 6_000;
+const CLAIM_SQL: &str = "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
+     VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
+const DIGEST: &str = "sha256:round-trips";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Way {
+    Idem,
+    OneByOne,
+    Pipelined,
+}
+
+impl Way {
+    fn label(self) -> &'static str {
+        match self {
+            Way::Idem => "idem (sqlx), 5 round trips",
+            Way::OneByOne => "tokio-postgres, one by one, 5",
+            Way::Pipelined => "tokio-postgres, pipelined, 2",
+        }
+    }
+}
+
+struct Shared {
+    pipeline: PipelineConfig,
+    catalog: Arc<StatementCatalog>,
+    pool: sqlx::PgPool,
+    database_url: String,
+    next_order: AtomicI64,
+    last_order: i64,
+}
+
+#[tokio::main]
+async fn main() {
+    let admin_url = std::env::var("IDEM_BENCH_ADMIN_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let database_url = std::env::var("IDEM_BENCH_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idem_bench_round_trips".into());
+    let config = idem_bench::demo_config(&database_url);
+    let pipeline = config.pipelines[0].clone();
+    let (pool, catalog) = idem_bench::loyalty_database(&admin_url, &database_url, &pipeline).await;
+    let catalog = Arc::new(catalog);
+    println!(
+        "one message's transaction (claim, credit, ledger row), {ORDERS_PER_RUN} new orders per row, same database"
+    );
+    println!(
+        "{:<32} {:>11} {:>10} {:>10} {:>10}",
+        "", "connections", "msgs/s", "p50", "p99"
+    );
+    let mut next_first = 1;
+    for connections in [1usize, 4] {
+        let mut rates = Vec::new();
+        for way in [Way::Idem, Way::OneByOne, Way::Pipelined] {
+            let shared = Arc::new(Shared {
+                pipeline: pipeline.clone(),
+                catalog: Arc::clone(&catalog),
+                pool: sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(u32::try_from(connections).unwrap_or(4))
+                    .connect(&database_url)
+                    .await
+                    .expect("pool"),
+                database_url: database_url.clone(),
+                next_order: AtomicI64::new(next_first),
+                last_order: next_first + ORDERS_PER_RUN - 1,
+            });
+            next_first += ORDERS_PER_RUN;
+            let started = Instant::now();
+            let tasks: Vec<_> = (0..connections)
+                .map(|_| tokio::spawn(run(way, Arc::clone(&shared))))
+                .collect();
+            let mut samples = Vec::new();
+            for task in tasks {
+                samples.extend(task.await.expect("worker"));
+            }
+            let elapsed = started.elapsed();
+            let applied: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM point_ledger WHERE order_id BETWEEN $1 AND $2",
+            )
+            .bind(shared.last_order - ORDERS_PER_RUN + 1)
+            .bind(shared.last_order)
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+            assert_eq!(
+                applied,
+                ORDERS_PER_RUN,
+                "{}: {applied} ledger rows for {ORDERS_PER_RUN} orders",
+                way.label()
+            );
+            let rate = ORDERS_PER_RUN as f64 / elapsed.as_secs_f64();
+            let latency = Percentiles::of(&mut samples);
+            println!(
+                "{:<32} {:>11} {:>10.0} {:>10} {:>10}",
+                way.label(),
+                connections,
+                rate,
+                idem_bench::micros(latency.p50),
+                idem_bench::micros(latency.p99)
+            );
+            rates.push((way, rate));
+            shared.pool.close().await;
+        }
+        let rate_of = |wanted: Way| {
+            rates
+                .iter()
+                .find(|(way, _)| *way == wanted)
+                .map_or(f64::NAN, |(_, rate)| *rate)
+        };
+        println!(
+            "  {connections} connection(s): pipelined / idem {:.2}, pipelined / one by one {:.2}, one by one / idem {:.2}",
+            rate_of(Way::Pipelined) / rate_of(Way::Idem),
+            rate_of(Way::Pipelined) / rate_of(Way::OneByOne),
+            rate_of(Way::OneByOne) / rate_of(Way::Idem),
+        );
+    }
+}
+
+/// One connection's share of the run: takes orders until there are none left.
+async fn run(way: Way, shared: Arc<Shared>) -> Vec<Duration> {
+    let mut samples = Vec::new();
+    let client = match way {
+        Way::Idem => None,
+        Way::OneByOne | Way::Pipelined => Some(Client::connect(&shared).await),
+    };
+    loop {
+        let order_id = shared.next_order.fetch_add(1, Ordering::Relaxed);
+        if order_id > shared.last_order {
+            return samples;
+        }
+        let started = Instant::now();
+        match &client {
+            None => {
+                let decision = loyalty_decision(
+                    order_id,
+                    order_customer(order_id),
+                    order_total_cents(order_id),
+                );
+                let plan = Plan::build(&shared.pipeline, &shared.catalog, &decision, DIGEST, false)
+                    .expect("plan");
+                let outcome =
+                    idem_host::ledger::apply(&shared.pool, &shared.pipeline.transaction, &plan)
+                        .await
+                        .expect("transaction");
+                assert_eq!(outcome, ClaimOutcome::Applied);
+            }
+            Some(client) => client.apply(way, &shared, order_id).await,
+        }
+        samples.push(started.elapsed());
+    }
+}
+
+/// A tokio-postgres connection with the loyalty statements prepared.
+struct Client {
+    client: tokio_postgres::Client,
+    claim: tokio_postgres::Statement,
+    credit: tokio_postgres::Statement,
+    ledger: tokio_postgres::Statement,
+    begin: String,
+}
+
+impl Client {
+    async fn connect(shared: &Shared) -> Client {
+        let (client, connection) =
+            tokio_postgres::connect(&shared.database_url, tokio_postgres::NoTls)
+                .await
+                .expect("tokio-postgres connects");
+        tokio::spawn(connection);
+        let statement = |name: &str| shared.pipeline.statements[name].clone();
+        let claim = client
+            .prepare_typed(CLAIM_SQL, &[Type::TEXT, Type::TEXT, Type::TEXT])
+            .await
+            .expect("claim");
+        let credit = client
+            .prepare_typed(&statement("credit_balance"), &[Type::INT8, Type::INT8])
+            .await
+            .expect("credit_balance");
+        let ledger = client
+            .prepare_typed(
+                &statement("record_ledger"),
+                &[Type::INT8, Type::INT8, Type::INT8],
+            )
+            .await
+            .expect("record_ledger");
+        Client {
+            client,
+            claim,
+            credit,
+            ledger,
+            begin: shared.pipeline.transaction.begin_sql(),
+        }
+    }
+
+    async fn apply(&self, way: Way, shared: &Shared, order_id: i64) {
+        let customer = order_customer(order_id);
+        let points = order_total_cents(order_id) / 100;
+        let key = format!("order-completed:{order_id}");
+        let consumer = shared.pipeline.consumer.as_str();
+        let client = &self.client;
+        let claim_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+            [&consumer, &key, &DIGEST];
+        let credit_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&customer, &points];
+        let ledger_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+            [&customer, &order_id, &points];
+        if way == Way::OneByOne {
+            client.batch_execute(&self.begin).await.expect("begin");
+            let claimed = client
+                .execute(&self.claim, &claim_params)
+                .await
+                .expect("claim");
+            assert_eq!(claimed, 1, "a new order's claim");
+            client
+                .execute(&self.credit, &credit_params)
+                .await
+                .expect("credit");
+            client
+                .execute(&self.ledger, &ledger_params)
+                .await
+                .expect("ledger");
+            client.batch_execute("COMMIT").await.expect("commit");
+            return;
+        }
+        // Requests go out when each future is first polled, in order; `join!` polls them in
+        // order, so each flight is written before any of its answers is read.
+        let (begun, claimed) = futures::join!(
+            client.batch_execute(&self.begin),
+            client.execute(&self.claim, &claim_params)
+        );
+        begun.expect("begin");
+        assert_eq!(claimed.expect("claim"), 1, "a new order's claim");
+        let (credited, recorded, committed) = futures::join!(
+            client.execute(&self.credit, &credit_params),
+            client.execute(&self.ledger, &ledger_params),
+            client.batch_execute("COMMIT")
+        );
+        credited.expect("credit");
+        recorded.expect("ledger");
+        committed.expect("commit");
+    }
+}
