@@ -1,7 +1,8 @@
 //! Per-message host overhead outside the database (criterion): decoding a delivery into the
-//! plugin's message, a fresh sandbox + call of the loyalty plugin, and mapping its decision
-//! to bound statement arguments. The statements are prepared once against the local
-//! PostgreSQL (set IDEM_BENCH_DATABASE_URL), outside the measured path.
+//! plugin's message, a fresh sandbox (from the instance pool, as `idem run`) and a call of the
+//! loyalty plugin, and mapping its decision to bound statement arguments. The statements are
+//! prepared once against the local PostgreSQL (set IDEM_BENCH_DATABASE_URL), outside the
+//! measured path.
 //!
 //! Run: `cargo bench -p idem-bench --bench host_overhead`
 
@@ -29,7 +30,8 @@ fn host_overhead(criterion: &mut Criterion) {
         &database_url,
         pipeline,
     ));
-    let plugin_runtime = PluginRuntime::new().expect("plugin runtime");
+    // What `idem run` uses for this config: the compiled-component cache and the instance pool.
+    let plugin_runtime = PluginRuntime::for_config(&config).expect("plugin runtime");
     let plugin = plugin_runtime
         .load(&pipeline.plugin)
         .expect("loyalty plugin (scripts/build-plugins.sh)");
@@ -59,13 +61,31 @@ fn host_overhead(criterion: &mut Criterion) {
             });
         },
     );
-    group.bench_function("plugin: fresh sandbox, instantiate and call", |bench| {
-        bench.iter(|| {
-            runtime
-                .block_on(plugin_runtime.invoke(&plugin, &pipeline.limits, black_box(&message)))
-                .expect("decision")
-        });
-    });
+    group.bench_function(
+        "plugin: fresh pooled instance, instantiate and call",
+        |bench| {
+            bench.iter(|| {
+                runtime
+                    .block_on(plugin_runtime.invoke(&plugin, &pipeline.limits, black_box(&message)))
+                    .expect("decision")
+            });
+        },
+    );
+    // Opt-in reuse: one instance serves up to 1,000 messages (`limits.messages_per_instance`).
+    let reused = idem_host::config::PluginLimits {
+        messages_per_instance: 1000.try_into().expect("non-zero"),
+        ..pipeline.limits
+    };
+    group.bench_function(
+        "plugin: reused instance (messages_per_instance = 1000), call",
+        |bench| {
+            bench.iter(|| {
+                runtime
+                    .block_on(plugin_runtime.invoke(&plugin, &reused, black_box(&message)))
+                    .expect("decision")
+            });
+        },
+    );
     group.bench_function(
         "effects: check, bind and encode the decision's statements",
         |bench| {
