@@ -84,32 +84,32 @@ async fn own(channel: Channel, mut commands: mpsc::UnboundedReceiver<Command>) {
                 Command::Delivered(tag) => {
                     tags.insert(tag, None);
                 }
-                Command::Ack { tag, sent } => match tags.get_mut(&tag) {
-                    Some(slot @ None) => *slot = Some(sent),
-                    // Never delivered on this channel, or settled already: acking it
-                    // would close the channel.
-                    _ => {
-                        tracing::warn!(
-                            delivery_tag = tag,
-                            "An ack for a delivery that is not outstanding; not sent."
-                        );
-                        let _ = sent.send(false);
-                    }
-                },
-                Command::NackRequeue { tag, sent } => match tags.remove(&tag) {
-                    Some(None) => nacks.push((tag, sent)),
-                    other => {
-                        if let Some(Some(acked)) = other {
-                            tags.insert(tag, Some(acked));
-                        }
-                        let _ = sent.send(false);
-                    }
-                },
+                Command::Ack { tag, sent } if unsettled(&tags, tag) => {
+                    tags.insert(tag, Some(sent));
+                }
+                Command::NackRequeue { tag, sent } if unsettled(&tags, tag) => {
+                    tags.remove(&tag);
+                    nacks.push((tag, sent));
+                }
+                // Never delivered on this channel, or settled already: settling it again
+                // would close the channel.
+                Command::Ack { tag, sent } | Command::NackRequeue { tag, sent } => {
+                    tracing::warn!(
+                        delivery_tag = tag,
+                        "A settlement for a delivery that is not outstanding; not sent."
+                    );
+                    let _ = sent.send(false);
+                }
             }
             next = commands.try_recv().ok();
         }
         send(&channel, &mut tags, nacks).await;
     }
+}
+
+/// Whether `tag` was delivered and is not settled yet.
+fn unsettled(tags: &Unsettled, tag: u64) -> bool {
+    matches!(tags.get(&tag), Some(None))
 }
 
 /// Sends the nacks, then the acks: the run from the oldest unsettled tag as one `multiple`

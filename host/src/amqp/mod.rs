@@ -273,14 +273,7 @@ pub async fn replay(
                     .into()
             })
             .unwrap_or_default();
-        acks.delivered(delivery.delivery_tag);
-        let receipt = Receipt {
-            acks: acks.clone(),
-            delivery_tag: delivery.delivery_tag,
-            properties: delivery.properties,
-            body: delivery.data,
-            attempt: 1,
-        };
+        let receipt = Receipt::of(delivery, &acks, 1);
         receipt
             .publish_copy(&channel, &pipeline.queue, headers, Copy::Requeue)
             .await?;
@@ -334,18 +327,22 @@ pub fn receive(
             .map(|id| id.as_str().to_string()),
         redelivered: delivery.redelivered,
     };
-    acks.delivered(delivery.delivery_tag);
-    let receipt = Receipt {
-        acks: acks.clone(),
-        delivery_tag: delivery.delivery_tag,
-        properties: delivery.properties,
-        body: delivery.data,
-        attempt,
-    };
-    (message, receipt)
+    (message, Receipt::of(delivery, acks, attempt))
 }
 
 impl Receipt {
+    /// What settling `delivery` needs, registered with `acks`, its channel's ack owner.
+    fn of(delivery: lapin::message::Delivery, acks: &Acks, attempt: u32) -> Receipt {
+        acks.delivered(delivery.delivery_tag);
+        Receipt {
+            acks: acks.clone(),
+            delivery_tag: delivery.delivery_tag,
+            properties: delivery.properties,
+            body: delivery.data,
+            attempt,
+        }
+    }
+
     /// Acks the delivery. `false` means the channel it came on is gone: the broker will
     /// redeliver it, and the claim will make that redelivery a duplicate.
     pub async fn ack(&self) -> bool {
