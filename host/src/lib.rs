@@ -25,6 +25,7 @@
 pub mod amqp;
 pub mod backoff;
 pub mod config;
+pub mod consumer;
 pub mod database;
 pub mod effect;
 pub mod failpoint;
@@ -148,7 +149,7 @@ pub async fn run_with_metrics(
         );
         let mut consumers = JoinSet::new();
         for pipeline in &pipelines {
-            consumers.spawn(pipeline::consume(
+            consumers.spawn(consumer::consume(
                 Arc::clone(pipeline),
                 config.amqp.clone(),
                 token.clone(),
