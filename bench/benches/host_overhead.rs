@@ -87,7 +87,7 @@ fn host_overhead(criterion: &mut Criterion) {
         },
     );
     group.bench_function(
-        "effects: check, bind and encode the decision's statements",
+        "effects: check and bind the decision's statements",
         |bench| {
             bench.iter(|| {
                 let plan = Plan::build(
@@ -99,7 +99,7 @@ fn host_overhead(criterion: &mut Criterion) {
                 )
                 .expect("plan");
                 for effect in &plan.effects {
-                    black_box(effect.arguments().expect("arguments"));
+                    black_box(effect.params());
                 }
             });
         },
@@ -119,7 +119,7 @@ fn host_overhead(criterion: &mut Criterion) {
             let plan =
                 Plan::build(pipeline, &catalog, &decision, &plugin.digest, false).expect("plan");
             for effect in &plan.effects {
-                black_box(effect.arguments().expect("arguments"));
+                black_box(effect.params());
             }
         });
     });

@@ -2,14 +2,17 @@
 
 use std::time::Duration;
 
-use sqlx::PgPool;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
+use sqlx::{ConnectOptions, PgPool};
+use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::backoff::Backoff;
 use crate::config::{DatabaseConfig, DatabaseTls, PipelineConfig, SslMode, redact_url};
+use crate::session::{SessionError, SessionPool};
+use crate::tls::Verify;
 
 /// The host's own tables (`processed_messages`), embedded at build time.
 pub static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
@@ -27,6 +30,11 @@ pub enum DatabaseError {
         endpoint: String,
         reason: String,
         setting: &'static str,
+    },
+    #[error("cannot open a PostgreSQL session at {endpoint}: {source}")]
+    Sessions {
+        endpoint: String,
+        source: SessionError,
     },
     #[error("migrating {endpoint} failed: {source}")]
     Migrate {
@@ -47,9 +55,39 @@ pub enum DatabaseError {
     },
 }
 
-/// Builds the pool, trying once.
-pub async fn connect_once(config: &DatabaseConfig) -> Result<PgPool, DatabaseError> {
-    let connect_error = |source: sqlx::Error| match refused_setting(&source) {
+/// The host's two ways into its database, opened from one `[database]` table: the sessions
+/// the message transactions run on (`session`: tokio-postgres, pipelined), and sqlx's pool
+/// for everything else (migrations, statement checks, the outbox relay, retention, status).
+#[derive(Debug, Clone)]
+pub struct Database {
+    pub pool: PgPool,
+    pub sessions: SessionPool,
+}
+
+/// Connections the bookkeeping pool may hold beside the sessions: the outbox relay,
+/// retention, partition upkeep and the admin endpoints share them.
+const BOOKKEEPING_CONNECTIONS: u32 = 4;
+
+/// Where and how to connect, resolved once from the URL, `[database.tls]` and libpq's
+/// environment variables (`PGPASSWORD`, `PGSSLMODE` …, and `~/.pgpass`) by sqlx's parser;
+/// the sessions read the same resolution back, so both kinds of connection agree.
+fn resolve(config: &DatabaseConfig) -> Result<PgConnectOptions, DatabaseError> {
+    let mut options: PgConnectOptions = config
+        .url
+        .parse()
+        .map_err(|source| connect_error(config, source))?;
+    if let Some(tls) = &config.tls {
+        options = with_tls(options, tls);
+    }
+    if options.get_application_name().is_none() {
+        // Visible in pg_stat_activity, so an operator can tell idem's sessions apart.
+        options = options.application_name("idem");
+    }
+    Ok(options.options(session_settings(config)))
+}
+
+fn connect_error(config: &DatabaseConfig, source: sqlx::Error) -> DatabaseError {
+    match refused_setting(&source) {
         Some(setting) => DatabaseError::Refused {
             endpoint: redact_url(&config.url),
             reason: crate::fault::describe(&source),
@@ -59,22 +97,134 @@ pub async fn connect_once(config: &DatabaseConfig) -> Result<PgPool, DatabaseErr
             endpoint: redact_url(&config.url),
             source,
         },
-    };
-    let mut options: PgConnectOptions = config.url.parse().map_err(connect_error)?;
-    if let Some(tls) = &config.tls {
-        options = with_tls(options, tls);
     }
-    if options.get_application_name().is_none() {
-        // Visible in pg_stat_activity, so an operator can tell idem's sessions apart.
-        options = options.application_name("idem");
-    }
-    options = options.options(session_settings(config));
+}
+
+/// Builds the bookkeeping pool, trying once (the commands that need no sessions).
+pub async fn connect_once(config: &DatabaseConfig) -> Result<PgPool, DatabaseError> {
+    pool(config, &resolve(config)?, config.max_connections.get()).await
+}
+
+async fn pool(
+    config: &DatabaseConfig,
+    options: &PgConnectOptions,
+    max_connections: u32,
+) -> Result<PgPool, DatabaseError> {
     PgPoolOptions::new()
-        .max_connections(config.max_connections.get())
+        .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options)
+        .connect_with(options.clone())
         .await
-        .map_err(connect_error)
+        .map_err(|source| connect_error(config, source))
+}
+
+/// Opens the bookkeeping pool and the sessions, trying once; one session is opened now, so
+/// a refusal is known at start. `[database] max_connections` bounds the sessions.
+pub async fn open(config: &DatabaseConfig) -> Result<Database, DatabaseError> {
+    let options = resolve(config)?;
+    let max_sessions = config.max_connections.get();
+    let pool = pool(config, &options, max_sessions.min(BOOKKEEPING_CONNECTIONS)).await?;
+    let sessions = sessions(config, &options, max_sessions)?;
+    sessions
+        .acquire()
+        .await
+        .map_err(|source| match session_refused_setting(&source) {
+            Some(setting) => DatabaseError::Refused {
+                endpoint: redact_url(&config.url),
+                reason: crate::fault::describe(&source),
+                setting,
+            },
+            None => DatabaseError::Sessions {
+                endpoint: redact_url(&config.url),
+                source,
+            },
+        })?;
+    Ok(Database { pool, sessions })
+}
+
+/// The sessions' connection settings, read back from sqlx's resolution of `options`.
+fn sessions(
+    config: &DatabaseConfig,
+    options: &PgConnectOptions,
+    max_sessions: u32,
+) -> Result<SessionPool, DatabaseError> {
+    let resolved = options.to_url_lossy();
+    let parameter = |name: &str| {
+        resolved
+            .query_pairs()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.into_owned())
+    };
+    let mut session = tokio_postgres::Config::new();
+    match options.get_socket() {
+        Some(directory) => session.host_path(directory),
+        None => session.host(options.get_host()),
+    };
+    session
+        .port(options.get_port())
+        .user(options.get_username())
+        .application_name(options.get_application_name().unwrap_or("idem"))
+        .connect_timeout(Duration::from_secs(5))
+        .keepalives(true)
+        .keepalives_idle(config.keepalive.max(Duration::from_secs(1)))
+        .keepalives_interval(config.keepalive.max(Duration::from_secs(3)) / 3)
+        .keepalives_retries(3)
+        .tcp_user_timeout(config.keepalive.max(Duration::from_secs(1)) * 2);
+    if let Some(database) = options.get_database() {
+        session.dbname(database);
+    }
+    if let Some(password) = resolved.password() {
+        session.password(percent_encoding::percent_decode_str(password).collect::<Vec<u8>>());
+    }
+    if let Some(settings) = options.get_options() {
+        session.options(settings);
+    }
+    // A certificate given inline (PEM in PGSSLROOTCERT) is not a file; only files are read.
+    let file = |name: &str| {
+        parameter(name)
+            .map(|value| std::path::PathBuf::from(value.strip_prefix("file: ").unwrap_or(&value)))
+    };
+    let verify = match options.get_ssl_mode() {
+        PgSslMode::Disable | PgSslMode::Allow => {
+            session.ssl_mode(tokio_postgres::config::SslMode::Disable);
+            return Ok(SessionPool::new(session, None, max_sessions));
+        }
+        PgSslMode::Prefer => {
+            session.ssl_mode(tokio_postgres::config::SslMode::Prefer);
+            Verify::Nothing
+        }
+        PgSslMode::Require => {
+            session.ssl_mode(tokio_postgres::config::SslMode::Require);
+            Verify::Nothing
+        }
+        PgSslMode::VerifyCa => {
+            session.ssl_mode(tokio_postgres::config::SslMode::Require);
+            Verify::Authority
+        }
+        PgSslMode::VerifyFull => {
+            session.ssl_mode(tokio_postgres::config::SslMode::Require);
+            Verify::Full
+        }
+    };
+    let root_cert = file("sslrootcert");
+    let client_cert = file("sslcert").zip(file("sslkey"));
+    let tls = crate::tls::postgres_client_config(
+        verify,
+        root_cert.as_deref(),
+        client_cert
+            .as_ref()
+            .map(|(cert, key)| (cert.as_path(), key.as_path())),
+    )
+    .map_err(|error| DatabaseError::Refused {
+        endpoint: redact_url(&config.url),
+        reason: error.to_string(),
+        setting: TLS_SETTINGS,
+    })?;
+    Ok(SessionPool::new(
+        session,
+        Some(MakeRustlsConnect::new(tls)),
+        max_sessions,
+    ))
 }
 
 /// The `[database.tls]` settings over the URL's.
@@ -103,6 +253,19 @@ fn with_tls(mut options: PgConnectOptions, tls: &DatabaseTls) -> PgConnectOption
 
 const TLS_SETTINGS: &str =
     "sslmode, sslrootcert, sslcert and sslkey in [database] url (or [database.tls])";
+
+/// As `refused_setting`, for a session's connection.
+fn session_refused_setting(error: &SessionError) -> Option<&'static str> {
+    let SessionError::Postgres(error) = error else {
+        return None;
+    };
+    match error.code().map(tokio_postgres::error::SqlState::code) {
+        Some("28P01" | "28000") => Some("the user and password in [database] url"),
+        Some("3D000") => Some("the database name in [database] url"),
+        _ if crate::tls::chain_carries_tls_error(error) => Some(TLS_SETTINGS),
+        _ => None,
+    }
+}
 
 /// The setting to change when a connection failure is one no retry can fix: the server
 /// refused the credentials or the database, or TLS could not be set up as configured. A
@@ -158,22 +321,22 @@ fn session_settings(config: &DatabaseConfig) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// Builds the pool, retrying with backoff while PostgreSQL is unreachable. Returns
+/// Opens the pool and the sessions, retrying with backoff while PostgreSQL is unreachable. Returns
 /// `Ok(None)` if `shutdown` fires first, and an error for a refusal no retry can fix (bad
 /// credentials, unknown database, TLS as configured impossible).
 pub async fn connect(
     config: &DatabaseConfig,
     shutdown: &CancellationToken,
-) -> Result<Option<PgPool>, DatabaseError> {
+) -> Result<Option<Database>, DatabaseError> {
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     loop {
-        match connect_once(config).await {
-            Ok(pool) => {
-                let encryption = encryption(&pool)
+        match open(config).await {
+            Ok(database) => {
+                let encryption = encryption(&database.pool)
                     .await
                     .unwrap_or_else(|error| format!("unknown ({error})"));
                 info!(endpoint = %redact_url(&config.url), %encryption, "Connected to PostgreSQL.");
-                return Ok(Some(pool));
+                return Ok(Some(database));
             }
             Err(refused @ DatabaseError::Refused { .. }) => return Err(refused),
             Err(error) => {

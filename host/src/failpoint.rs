@@ -9,7 +9,8 @@ use std::sync::OnceLock;
 /// The places a crash can be requested.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failpoint {
-    /// After the claim and the effects ran, before `COMMIT` is sent.
+    /// After the claim ran, before `COMMIT` is sent (with the effects, which go in the same
+    /// flight).
     BeforeCommit,
     /// After `COMMIT` returned, before the ack is sent.
     AfterCommit,

@@ -5,6 +5,8 @@
 //! database, the network, the host or the operator's configuration caused keeps the message
 //! unacked: retried, or the pipeline paused until the configuration works again.
 
+use crate::session::SessionError;
+
 /// Who issued the statement that failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Origin {
@@ -40,73 +42,91 @@ const MESSAGE_CLASSES: [&str; 6] = ["21", "22", "23", "44", "54", "P0"];
 /// schema (3D, 3F).
 const CONFIG_CLASSES: [&str; 10] = ["42", "28", "0L", "0P", "2B", "2F", "38", "39", "3D", "3F"];
 
+/// A database error as this module reads it: the SQLSTATE and the server's own words, when
+/// the server sent an error; both drivers' errors are read the same way.
+pub trait DatabaseFailure: std::fmt::Display {
+    fn sqlstate(&self) -> Option<String>;
+    fn server_message(&self) -> Option<String>;
+}
+
+impl DatabaseFailure for sqlx::Error {
+    fn sqlstate(&self) -> Option<String> {
+        match self {
+            sqlx::Error::Database(database_error) => {
+                database_error.code().map(|code| code.into_owned())
+            }
+            _ => None,
+        }
+    }
+
+    fn server_message(&self) -> Option<String> {
+        match self {
+            sqlx::Error::Database(database_error) => Some(database_error.message().to_string()),
+            _ => None,
+        }
+    }
+}
+
+impl DatabaseFailure for SessionError {
+    fn sqlstate(&self) -> Option<String> {
+        self.database_error()
+            .map(|database_error| database_error.code().code().to_string())
+    }
+
+    fn server_message(&self) -> Option<String> {
+        self.database_error()
+            .map(|database_error| database_error.message().to_string())
+    }
+}
+
 /// Classifies `error`, raised by a statement from `origin`. Connection (08), transaction
 /// state (25, a read-only standby), rollback (40), resources (53), object state (55, lock
 /// timeouts), operator intervention (57: cancels, shutdowns), system (58), internal (XX) and
-/// every class not named above are transient. 0A000 is transient too: its usual cause is a
-/// cached plan outdated by an `ALTER` (the connection is replaced); the caller escalates it
-/// to a configuration fault if it persists.
-pub fn classify(error: &sqlx::Error, origin: Origin) -> Fault {
+/// every class not named above are transient, as is every error the server did not send (a
+/// lost connection). 0A000 is transient too: its usual cause is a cached plan outdated by an
+/// `ALTER` (the connection is replaced); the caller escalates it to a configuration fault if
+/// it persists.
+pub fn classify(error: &impl DatabaseFailure, origin: Origin) -> Fault {
     let message_fault = match origin {
         Origin::Effect => Fault::Message,
         Origin::Host => Fault::Transient,
     };
-    match error {
-        sqlx::Error::Database(database_error) => {
-            let code = database_error.code().unwrap_or_default();
-            let class = code.get(..2).unwrap_or_default();
-            if MESSAGE_CLASSES.contains(&class) {
-                message_fault
-            } else if CONFIG_CLASSES.contains(&class) {
-                Fault::Config
-            } else {
-                Fault::Transient
-            }
-        }
-        // A value that cannot be encoded for its parameter.
-        sqlx::Error::Encode(_) => message_fault,
-        _ => Fault::Transient,
-    }
-}
-
-/// The SQLSTATE of `error`, if the server sent one.
-pub fn sqlstate(error: &sqlx::Error) -> Option<String> {
-    match error {
-        sqlx::Error::Database(database_error) => {
-            database_error.code().map(|code| code.into_owned())
-        }
-        _ => None,
+    let Some(code) = error.sqlstate() else {
+        return Fault::Transient;
+    };
+    let class = code.get(..2).unwrap_or_default();
+    if MESSAGE_CLASSES.contains(&class) {
+        message_fault
+    } else if CONFIG_CLASSES.contains(&class) {
+        Fault::Config
+    } else {
+        Fault::Transient
     }
 }
 
 /// A cached prepared statement no longer matches the table (`cached plan must not change
 /// result type` after an `ALTER`): the connection must be replaced to plan it anew.
-pub fn is_stale_plan(error: &sqlx::Error) -> bool {
-    sqlstate(error).as_deref() == Some("0A000")
+pub fn is_stale_plan(error: &impl DatabaseFailure) -> bool {
+    error.sqlstate().as_deref() == Some("0A000")
 }
 
 /// Serialization failures and deadlocks: the transaction lost a race and may simply be run
 /// again. Counted against the pipeline's retry budget, unlike connection errors.
-pub fn is_conflict(error: &sqlx::Error) -> bool {
-    matches!(sqlstate(error).as_deref(), Some("40001" | "40P01"))
+pub fn is_conflict(error: &impl DatabaseFailure) -> bool {
+    matches!(error.sqlstate().as_deref(), Some("40001" | "40P01"))
 }
 
 /// The SQLSTATE of a retried error, or `connection` when the server gave none: a metric label.
-pub fn retry_label(error: &sqlx::Error) -> String {
-    match error {
-        sqlx::Error::Database(_) => sqlstate(error).unwrap_or_else(|| "unknown".to_string()),
-        _ => "connection".to_string(),
-    }
+pub fn retry_label(error: &impl DatabaseFailure) -> String {
+    error.sqlstate().unwrap_or_else(|| "connection".to_string())
 }
 
 /// The database's own words, with its SQLSTATE when it gave one.
-pub fn describe(error: &sqlx::Error) -> String {
-    match error {
-        sqlx::Error::Database(database_error) => match database_error.code() {
-            Some(code) => format!("{} (SQLSTATE {code})", database_error.message()),
-            None => database_error.message().to_string(),
-        },
-        other => other.to_string(),
+pub fn describe(error: &impl DatabaseFailure) -> String {
+    match (error.server_message(), error.sqlstate()) {
+        (Some(message), Some(code)) => format!("{message} (SQLSTATE {code})"),
+        (Some(message), None) => message,
+        _ => error.to_string(),
     }
 }
 
@@ -117,6 +137,11 @@ mod tests {
     #[test]
     fn io_errors_are_transient_from_any_origin() {
         let error = sqlx::Error::Io(std::io::Error::other("reset"));
+        assert_eq!(classify(&error, Origin::Effect), Fault::Transient);
+        let error = SessionError::Timeout {
+            timeout: std::time::Duration::from_secs(5),
+            max: 1,
+        };
         assert_eq!(classify(&error, Origin::Effect), Fault::Transient);
         assert_eq!(classify(&error, Origin::Host), Fault::Transient);
     }

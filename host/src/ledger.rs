@@ -7,14 +7,22 @@
 
 use std::time::Duration;
 
-use sqlx::pool::PoolConnection;
-use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
+use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
+
+use futures::future::maybe_done;
+
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, Row, Statement};
 
 use crate::config::{ClaimMode, PipelineConfig, TransactionConfig};
 use crate::effect::{Decision, Effect};
 use crate::failpoint::Failpoint;
 use crate::fault::{self, Fault, Origin};
 use crate::outbox::{self, OutboxError, OutboxRow};
+use crate::session::{Session, SessionError, SessionPool};
 use crate::statement::{BoundEffect, EffectError, StatementCatalog};
 
 /// The guide's Step 2 claim: zero rows affected means another delivery already applied it.
@@ -41,7 +49,7 @@ pub enum LedgerError {
     /// The database is unreachable, read-only, restarting, cancelled us or asked us to retry
     /// (40001, 40P01): nothing was committed, and the same message may be tried again.
     #[error("database unavailable: {source}")]
-    Transient { source: sqlx::Error },
+    Transient { source: SessionError },
     /// The host's deadline for the transaction passed (a half-open connection, a hung
     /// server): the connection was abandoned; nothing was committed that the claim would not
     /// recognise.
@@ -52,14 +60,14 @@ pub enum LedgerError {
     #[error("statement {statement:?} failed: {source}")]
     Effect {
         statement: String,
-        source: sqlx::Error,
+        source: SessionError,
     },
     /// A statement failed because the configuration or schema is wrong (undefined table,
     /// permission denied): no message can succeed until the operator fixes it.
     #[error("statement {statement:?} failed: {source}")]
     Config {
         statement: String,
-        source: sqlx::Error,
+        source: SessionError,
     },
 }
 
@@ -199,40 +207,54 @@ impl<'a> Plan<'a> {
     }
 }
 
-/// Runs `plan` in one transaction: the claim, and only if it is new, the effects and the
-/// outbox rows; then commit. The whole transaction is bounded by `settings.timeout`.
+/// Runs `plan` in one transaction, in two flights (see `Flight`): `BEGIN` with the claim,
+/// then, only if the claim is new, the effects, the outbox rows and `COMMIT`. The whole
+/// transaction is bounded by `settings.timeout`.
 pub async fn apply(
-    pool: &PgPool,
+    sessions: &SessionPool,
     settings: &TransactionConfig,
     plan: &Plan<'_>,
 ) -> Result<ClaimOutcome, LedgerError> {
-    let mut connection = acquire(pool).await?;
+    let mut session = acquire(sessions).await?;
     let result =
-        tokio::time::timeout(settings.timeout, apply_on(&mut connection, settings, plan)).await;
-    release(connection, result, settings.timeout)
+        tokio::time::timeout(settings.timeout, apply_on(&mut session, settings, plan)).await;
+    release(session, result, settings.timeout)
 }
 
 async fn apply_on(
-    connection: &mut PgConnection,
+    session: &mut Session,
     settings: &TransactionConfig,
     plan: &Plan<'_>,
 ) -> Result<ClaimOutcome, LedgerError> {
-    let mut transaction = begin(connection, settings).await?;
-    let outcome = apply_steps(&mut transaction, plan, false).await?;
-    if outcome != ClaimOutcome::Applied {
+    let work = Work::prepare(session, plan, true).await?;
+    let begin = settings.begin_sql();
+    session.set_in_transaction(true);
+    let client = session.client();
+    let mut first = Flight::new(client);
+    first.simple(&begin, "begin");
+    work.decide(&mut first);
+    let decided = match first.send().await {
+        Ok(replies) => work.outcome(&replies),
+        Err(error) => {
+            rollback(client).await?;
+            session.set_in_transaction(false);
+            return Err(error);
+        }
+    };
+    if decided != ClaimOutcome::Applied {
         // A duplicate or stale message commits nothing.
-        transaction
-            .rollback()
-            .await
-            .map_err(host_error("rollback"))?;
-        return Ok(outcome);
+        rollback(client).await?;
+        session.set_in_transaction(false);
+        return Ok(decided);
     }
     Failpoint::BeforeCommit.hit();
-    transaction
-        .commit()
-        .await
-        .map_err(|source| classify(source, "commit", Origin::Effect))?;
-    Ok(outcome)
+    let mut second = Flight::new(client);
+    work.finish(&mut second);
+    second.commit();
+    let sent = second.send().await;
+    // The flight ended the transaction: `COMMIT` after a failed statement rolls back.
+    session.set_in_transaction(false);
+    sent.map(|_| ClaimOutcome::Applied)
 }
 
 /// How one message of a batch ended inside the batch's transaction.
@@ -245,49 +267,50 @@ pub type BatchItem = Result<ClaimOutcome, LedgerError>;
 /// and the others commit. A transient or configuration error fails the whole batch (`Err`),
 /// to be retried as a whole. Bounded by `settings.timeout`, like one message.
 pub async fn apply_batch(
-    pool: &PgPool,
+    sessions: &SessionPool,
     settings: &TransactionConfig,
     plans: &[&Plan<'_>],
 ) -> Result<Vec<BatchItem>, LedgerError> {
-    let mut connection = acquire(pool).await?;
+    let mut session = acquire(sessions).await?;
     let work = async {
         // The fast path takes every claim in one statement; it applies only to unpartitioned
         // ledger claims, whose duplicates are known before any effect writes. Natural and
         // `none` claims learn it from the effects' rows, so they need a savepoint each to
         // undo a duplicate's or a stale message's writes.
         if plans.iter().all(|plan| plan.claim.is_bulk())
-            && let Some(items) = apply_batch_optimistic(&mut connection, settings, plans).await?
+            && let Some(items) = apply_batch_optimistic(&mut session, settings, plans).await?
         {
             return Ok(items);
         }
-        apply_batch_isolating(&mut connection, settings, plans).await
+        apply_batch_isolating(&mut session, settings, plans).await
     };
     let result = tokio::time::timeout(settings.timeout, work).await;
-    release(connection, result, settings.timeout)
+    release(session, result, settings.timeout)
 }
 
-/// Takes a pooled connection for one transaction.
-async fn acquire(pool: &PgPool) -> Result<PoolConnection<Postgres>, LedgerError> {
-    pool.acquire()
+/// Takes a session for one transaction.
+async fn acquire(sessions: &SessionPool) -> Result<Session, LedgerError> {
+    sessions
+        .acquire()
         .await
         .map_err(|source| LedgerError::Transient { source })
 }
 
-/// Hands the connection back after a transaction, or abandons it: past the deadline (a
+/// Hands the session back after a transaction, or abandons it: past the deadline (a
 /// half-open connection, a hung server) it is closed, never reused, and the next try opens a
 /// new one; after an outdated cached plan, a fresh connection plans anew.
 fn release<T>(
-    connection: PoolConnection<Postgres>,
+    session: Session,
     result: Result<Result<T, LedgerError>, tokio::time::error::Elapsed>,
     timeout: Duration,
 ) -> Result<T, LedgerError> {
     match result {
         Err(_elapsed) => {
-            drop(connection.detach());
+            session.detach();
             Err(LedgerError::Deadline { timeout })
         }
         Ok(Err(LedgerError::Transient { source })) if fault::is_stale_plan(&source) => {
-            drop(connection.detach());
+            session.detach();
             Err(LedgerError::Transient { source })
         }
         Ok(result) => result,
@@ -301,22 +324,22 @@ const BULK_CLAIM_SQL: &str = "INSERT INTO processed_messages (consumer, message_
      ORDER BY claim.key COLLATE \"C\" \
      ON CONFLICT DO NOTHING RETURNING message_key";
 
-/// The fast path: all ledger claims in one round trip, then each new message's effects with
-/// no savepoint. `Ok(None)` when an effect failed for its message's sake: everything was
-/// rolled back, and the caller isolates the failure with savepoints.
+/// The fast path, in two flights: `BEGIN` with all ledger claims in one statement, then
+/// every new message's effects with no savepoint, and `COMMIT`. `Ok(None)` when an effect
+/// failed for its message's sake: everything was rolled back, and the caller isolates the
+/// failure with savepoints.
 async fn apply_batch_optimistic(
-    connection: &mut PgConnection,
+    session: &mut Session,
     settings: &TransactionConfig,
     plans: &[&Plan<'_>],
 ) -> Result<Option<Vec<BatchItem>>, LedgerError> {
     let mut order: Vec<usize> = (0..plans.len()).collect();
     order.sort_by(|left, right| plans[*left].key.cmp(plans[*right].key));
     let mut items: Vec<Option<BatchItem>> = (0..plans.len()).map(|_| None).collect();
-    let mut transaction = begin(connection, settings).await?;
     let mut claim_keys = Vec::new();
     let mut claim_digests = Vec::new();
     let mut consumer = "";
-    let mut first_of_key = std::collections::HashSet::new();
+    let mut first_of_key = HashSet::new();
     for &index in &order {
         let plan = plans[index];
         if let ClaimStrategy::Ledger {
@@ -334,45 +357,64 @@ async fn apply_batch_optimistic(
             }
         }
     }
-    let mut new_keys = std::collections::HashSet::new();
-    if !claim_keys.is_empty() {
-        let inserted: Vec<String> = sqlx::query_scalar(BULK_CLAIM_SQL)
-            .bind(consumer)
-            .bind(&claim_keys)
-            .bind(&claim_digests)
-            .fetch_all(&mut *transaction)
-            .await
-            .map_err(host_error("claim"))?;
-        new_keys.extend(inserted);
-    }
-    let mut applied = 0;
+    let bulk_claim = session
+        .prepared(BULK_CLAIM_SQL)
+        .await
+        .map_err(host_error("claim"))?;
+    let mut works = Vec::with_capacity(plans.len());
     for &index in &order {
-        let plan = plans[index];
-        if items[index].is_some() {
-            continue;
+        if items[index].is_none() {
+            works.push((index, Work::prepare(session, plans[index], false).await?));
         }
-        if !new_keys.contains(plan.key) {
-            items[index] = Some(Ok(ClaimOutcome::Duplicate));
-            continue;
+    }
+    let begin = settings.begin_sql();
+    let claim_params: [&(dyn ToSql + Sync); 3] = [&consumer, &claim_keys, &claim_digests];
+    session.set_in_transaction(true);
+    let client = session.client();
+    let mut first = Flight::new(client);
+    first.simple(&begin, "begin");
+    first.query(&bulk_claim, &claim_params, "claim");
+    let new_keys: HashSet<String> = match first.send().await {
+        Ok(replies) => replies
+            .last()
+            .map(Reply::returned)
+            .unwrap_or_default()
+            .iter()
+            .map(|row| row.get::<_, String>(0))
+            .collect(),
+        Err(error) => {
+            rollback(client).await?;
+            session.set_in_transaction(false);
+            return Err(error);
         }
-        match apply_steps(&mut transaction, plan, true).await {
-            Ok(outcome) => {
-                if outcome == ClaimOutcome::Applied {
-                    applied += 1;
-                }
-                items[index] = Some(Ok(outcome));
-            }
-            Err(LedgerError::Effect { .. }) => {
-                transaction
-                    .rollback()
-                    .await
-                    .map_err(host_error("rollback"))?;
-                return Ok(None);
-            }
+    };
+    let mut applying = Vec::with_capacity(works.len());
+    for (index, work) in &works {
+        if new_keys.contains(work.plan.key) {
+            items[*index] = Some(Ok(ClaimOutcome::Applied));
+            applying.push(work);
+        } else {
+            items[*index] = Some(Ok(ClaimOutcome::Duplicate));
+        }
+    }
+    if applying.is_empty() {
+        rollback(client).await?;
+        session.set_in_transaction(false);
+    } else {
+        Failpoint::BeforeCommit.hit();
+        let mut second = Flight::new(client);
+        for work in applying {
+            work.finish(&mut second);
+        }
+        second.commit();
+        let sent = second.send().await;
+        session.set_in_transaction(false);
+        match sent {
+            Ok(_) => {}
+            Err(LedgerError::Effect { .. }) => return Ok(None),
             Err(other) => return Err(other),
         }
     }
-    finish_batch(transaction, applied).await?;
     Ok(Some(
         items
             .into_iter()
@@ -381,174 +423,459 @@ async fn apply_batch_optimistic(
     ))
 }
 
-/// Commits a batch that applied something; rolls back one that did not.
-async fn finish_batch(
-    transaction: Transaction<'_, Postgres>,
-    applied: usize,
-) -> Result<(), LedgerError> {
-    if applied == 0 {
-        transaction.rollback().await.map_err(host_error("rollback"))
-    } else {
-        Failpoint::BeforeCommit.hit();
-        transaction
-            .commit()
-            .await
-            .map_err(|source| classify(source, "commit", Origin::Effect))
-    }
-}
+/// The savepoint each message of the isolating path runs under.
+const SAVEPOINT: &str = "SAVEPOINT idem_message";
+const NEXT_SAVEPOINT: &str = "RELEASE SAVEPOINT idem_message; SAVEPOINT idem_message";
+/// Undoes the previous message; its savepoint stays, ready for the next one.
+const UNDO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_message";
 
 /// The isolating path: a savepoint per message, so a failing, duplicate or stale message
-/// rolls back alone.
+/// rolls back alone. Each message takes two flights (its savepoint with its claim, then its
+/// effects); the savepoint's release or undo rides with the next message's first flight.
 async fn apply_batch_isolating(
-    connection: &mut PgConnection,
+    session: &mut Session,
     settings: &TransactionConfig,
     plans: &[&Plan<'_>],
 ) -> Result<Vec<BatchItem>, LedgerError> {
     let mut order: Vec<usize> = (0..plans.len()).collect();
     order.sort_by(|left, right| plans[*left].key.cmp(plans[*right].key));
     let mut items: Vec<Option<BatchItem>> = (0..plans.len()).map(|_| None).collect();
-    let mut transaction = begin(connection, settings).await?;
-    let mut claimed_keys = std::collections::HashSet::new();
-    let mut savepoint_open = false;
-    let mut applied = 0;
+    let mut claimed_keys = HashSet::new();
+    let mut works = Vec::with_capacity(plans.len());
     for index in order {
         let plan = plans[index];
         if matches!(plan.claim, ClaimStrategy::Ledger { .. }) && !claimed_keys.insert(plan.key) {
             items[index] = Some(Ok(ClaimOutcome::Duplicate));
             continue;
         }
-        // Release the previous message's savepoint and open this one's in one round trip.
-        let savepoint = if savepoint_open {
-            "RELEASE SAVEPOINT idem_message; SAVEPOINT idem_message"
-        } else {
-            "SAVEPOINT idem_message"
-        };
-        // A plain string runs as a simple query, so both statements go in one round trip.
-        sqlx::Executor::execute(&mut *transaction, savepoint)
-            .await
-            .map_err(host_error("savepoint"))?;
-        savepoint_open = true;
-        let item = match apply_steps(&mut transaction, plan, false).await {
-            Ok(ClaimOutcome::Applied) => {
-                applied += 1;
-                Ok(ClaimOutcome::Applied)
-            }
-            Ok(outcome) => {
-                rollback_to_savepoint(&mut transaction).await?;
-                Ok(outcome)
-            }
-            Err(error @ LedgerError::Effect { .. }) => {
-                rollback_to_savepoint(&mut transaction).await?;
-                Err(error)
-            }
-            Err(other) => return Err(other),
-        };
-        items[index] = Some(item);
+        works.push((index, Work::prepare(session, plan, true).await?));
     }
-    finish_batch(transaction, applied).await?;
+    let begin = settings.begin_sql();
+    session.set_in_transaction(true);
+    let client = session.client();
+    let ran = run_isolated(client, &begin, &works, &mut items).await;
+    let ended = match ran {
+        Ok(applied) => finish_isolated(client, applied).await,
+        Err(error) => rollback(client).await.and(Err(error)),
+    };
+    session.set_in_transaction(false);
+    ended?;
     Ok(items
         .into_iter()
         .map(|item| item.unwrap_or(Ok(ClaimOutcome::Duplicate)))
         .collect())
 }
 
-async fn rollback_to_savepoint(
-    transaction: &mut Transaction<'_, Postgres>,
-) -> Result<(), LedgerError> {
-    sqlx::query("ROLLBACK TO SAVEPOINT idem_message")
-        .execute(&mut **transaction)
-        .await
-        .map(drop)
-        .map_err(host_error("savepoint"))
+/// Whether the last message of the isolating path kept its writes, or they must be undone
+/// before `COMMIT`; and how many messages applied.
+struct Isolated {
+    applied: usize,
+    undo_last: bool,
 }
 
-/// Opens the transaction with its isolation and server-side timeouts, in one round trip.
-async fn begin<'c>(
-    connection: &'c mut PgConnection,
-    settings: &TransactionConfig,
-) -> Result<Transaction<'c, Postgres>, LedgerError> {
-    connection
-        .begin_with(settings.begin_sql())
-        .await
-        .map_err(host_error("begin"))
-}
-
-/// The claim (unless `claimed`: taken in bulk already), then (if new) the role, the effects
-/// and the outbox rows, inside an open transaction. A duplicate or stale outcome leaves changes for the caller to undo.
-async fn apply_steps(
-    transaction: &mut Transaction<'_, Postgres>,
-    plan: &Plan<'_>,
-    claimed: bool,
-) -> Result<ClaimOutcome, LedgerError> {
-    if let ClaimStrategy::Ledger {
-        consumer,
-        plugin_digest,
-        partitioned,
-    } = plan.claim
-        && !claimed
-    {
-        if partitioned {
-            sqlx::query(PARTITIONED_LOCK_SQL)
-                .bind(consumer)
-                .bind(plan.key)
-                .execute(&mut **transaction)
-                .await
-                .map_err(host_error("claim"))?;
-        }
-        let claimed = sqlx::query(if partitioned {
-            PARTITIONED_CLAIM_SQL
+/// Runs every message under its savepoint; `Err` for a failure that fails the batch.
+async fn run_isolated(
+    client: &Client,
+    begin: &str,
+    works: &[(usize, Work<'_>)],
+    items: &mut [Option<BatchItem>],
+) -> Result<Isolated, LedgerError> {
+    let mut prefix = format!("{begin}; {SAVEPOINT}");
+    let mut applied = 0;
+    let mut undo_last = false;
+    for (index, work) in works {
+        let mut first = Flight::new(client);
+        first.simple(&prefix, "savepoint");
+        work.decide(&mut first);
+        let outcome = match first.send().await {
+            Ok(replies) => work.outcome(&replies),
+            Err(error @ LedgerError::Effect { .. }) => {
+                items[*index] = Some(Err(error));
+                prefix = UNDO_SAVEPOINT.to_string();
+                undo_last = true;
+                continue;
+            }
+            Err(other) => return Err(other),
+        };
+        let item = if outcome == ClaimOutcome::Applied {
+            let mut second = Flight::new(client);
+            work.finish(&mut second);
+            second.send().await.map(|_| ClaimOutcome::Applied)
         } else {
-            CLAIM_SQL
-        })
-        .bind(consumer)
-        .bind(plan.key)
-        .bind(plugin_digest)
-        .execute(&mut **transaction)
+            Ok(outcome)
+        };
+        undo_last = match &item {
+            Ok(ClaimOutcome::Applied) => false,
+            Ok(_) | Err(LedgerError::Effect { .. }) => true,
+            Err(_) => return item.map(|_| Isolated { applied, undo_last }),
+        };
+        if undo_last {
+            prefix = UNDO_SAVEPOINT.to_string();
+        } else {
+            applied += 1;
+            prefix = NEXT_SAVEPOINT.to_string();
+        }
+        items[*index] = Some(item);
+    }
+    Ok(Isolated { applied, undo_last })
+}
+
+/// Commits a batch that applied something (undoing its last message first if it must);
+/// rolls back one that did not.
+async fn finish_isolated(client: &Client, isolated: Isolated) -> Result<(), LedgerError> {
+    if isolated.applied == 0 {
+        return rollback(client).await;
+    }
+    let mut last = Flight::new(client);
+    if isolated.undo_last {
+        last.simple(UNDO_SAVEPOINT, "savepoint");
+    }
+    Failpoint::BeforeCommit.hit();
+    last.commit();
+    last.send().await.map(drop)
+}
+
+/// Ends the open transaction without keeping anything.
+async fn rollback(client: &Client) -> Result<(), LedgerError> {
+    client
+        .batch_execute("ROLLBACK")
         .await
-        .map_err(host_error("claim"))?
-        .rows_affected();
-        if claimed == 0 {
-            return Ok(ClaimOutcome::Duplicate);
+        .map_err(|source| classify(source.into(), "rollback", Origin::Host))
+}
+
+/// One message's statements prepared on the session, with their values.
+struct Work<'p> {
+    plan: &'p Plan<'p>,
+    /// The partition lock and the claim, with their values (ledger claims, unless taken in
+    /// bulk).
+    claim: Option<(Option<Statement>, Statement, [&'p (dyn ToSql + Sync); 3])>,
+    role: Option<String>,
+    effects: Vec<(Statement, Vec<&'p (dyn ToSql + Sync)>)>,
+    outbox: Option<Statement>,
+}
+
+impl<'p> Work<'p> {
+    /// Prepares what `plan` runs (each statement once per session); with `claim` false, the
+    /// ledger claim was taken in bulk already.
+    async fn prepare(
+        session: &mut Session,
+        plan: &'p Plan<'p>,
+        claim: bool,
+    ) -> Result<Work<'p>, LedgerError> {
+        let claim = match &plan.claim {
+            ClaimStrategy::Ledger {
+                consumer,
+                plugin_digest,
+                partitioned,
+            } if claim => {
+                let lock = if *partitioned {
+                    Some(
+                        session
+                            .prepared(PARTITIONED_LOCK_SQL)
+                            .await
+                            .map_err(host_error("claim"))?,
+                    )
+                } else {
+                    None
+                };
+                let sql = if *partitioned {
+                    PARTITIONED_CLAIM_SQL
+                } else {
+                    CLAIM_SQL
+                };
+                let statement = session.prepared(sql).await.map_err(host_error("claim"))?;
+                let values: [&'p (dyn ToSql + Sync); 3] = [consumer, &plan.key, plugin_digest];
+                Some((lock, statement, values))
+            }
+            _ => None,
+        };
+        let mut effects = Vec::with_capacity(plan.effects.len());
+        for effect in &plan.effects {
+            let statement = session
+                .prepared(effect.sql)
+                .await
+                .map_err(|source| classify(source, effect.statement, Origin::Effect))?;
+            effects.push((statement, effect.params()));
+        }
+        let outbox = if plan.outbox.is_empty() {
+            None
+        } else {
+            Some(
+                session
+                    .prepared(outbox::INSERT_SQL)
+                    .await
+                    .map_err(host_error("outbox"))?,
+            )
+        };
+        Ok(Work {
+            plan,
+            claim,
+            role: plan
+                .role
+                .map(|role| format!("SET LOCAL ROLE {}", quote_identifier(role))),
+            effects,
+            outbox,
+        })
+    }
+
+    /// The statements that tell whether the message applies: the ledger claim (after its
+    /// partition lock), or the role and the effects a natural or `none` claim reads.
+    fn decide<'f>(&'f self, flight: &mut Flight<'f>) {
+        match (&self.claim, self.plan.claim) {
+            (Some((lock, claim, values)), _) => {
+                if let Some(lock) = lock {
+                    flight.execute(
+                        lock,
+                        values.get(..2).unwrap_or_default(),
+                        "claim",
+                        Origin::Host,
+                    );
+                }
+                flight.execute(claim, values, "claim", Origin::Host);
+            }
+            (None, ClaimStrategy::Ledger { .. }) => {}
+            (None, ClaimStrategy::Natural) => {
+                self.set_role(flight);
+                self.effects_from(flight, 0, 1);
+            }
+            (None, ClaimStrategy::None) => {
+                self.set_role(flight);
+                self.effects_from(flight, 0, self.effects.len());
+            }
         }
     }
-    if let Some(role) = plan.role {
-        sqlx::query(&format!("SET LOCAL ROLE {}", quote_identifier(role)))
-            .execute(&mut **transaction)
-            .await
-            .map_err(host_error("role"))?;
-    }
-    let mut rows_changed = 0;
-    for (position, effect) in plan.effects.iter().enumerate() {
-        let arguments = effect
-            .arguments()
-            .map_err(|source| classify(source, effect.statement, Origin::Effect))?;
-        let rows = sqlx::query_with(effect.sql, arguments)
-            .execute(&mut **transaction)
-            .await
-            .map_err(|source| classify(source, effect.statement, Origin::Effect))?
-            .rows_affected();
-        if position == 0 && rows == 0 && matches!(plan.claim, ClaimStrategy::Natural) {
-            return Ok(ClaimOutcome::Duplicate);
+
+    /// The outcome the replies to `decide`'s statements (the flight's last ones) tell.
+    fn outcome(&self, replies: &[Reply]) -> ClaimOutcome {
+        let rows = |count: usize| {
+            replies
+                .iter()
+                .rev()
+                .take(count)
+                .map(Reply::rows)
+                .sum::<u64>()
+        };
+        match (&self.claim, self.plan.claim) {
+            (Some(_), _) if rows(1) == 0 => ClaimOutcome::Duplicate,
+            (None, ClaimStrategy::Natural) if rows(1) == 0 => ClaimOutcome::Duplicate,
+            (None, ClaimStrategy::None) if rows(self.effects.len()) == 0 => {
+                // Nothing changed: an older or repeated version. Its outbox messages stay
+                // unsent.
+                ClaimOutcome::Stale
+            }
+            _ => ClaimOutcome::Applied,
         }
-        rows_changed += rows;
     }
-    if rows_changed == 0 && matches!(plan.claim, ClaimStrategy::None) {
-        // Nothing changed: an older or repeated version. Its outbox messages stay unsent.
-        return Ok(ClaimOutcome::Stale);
+
+    /// The rest of the message's work once it is known to apply: the effects `decide` did
+    /// not run (under the role), back to the host's role, the outbox rows.
+    fn finish<'f>(&'f self, flight: &mut Flight<'f>) {
+        let ran = match (&self.claim, self.plan.claim) {
+            (None, ClaimStrategy::Natural) => 1,
+            (None, ClaimStrategy::None) => self.effects.len(),
+            _ => {
+                self.set_role(flight);
+                0
+            }
+        };
+        self.effects_from(flight, ran, self.effects.len());
+        if self.role.is_some() {
+            // Back to the host's role: for the outbox rows, and the next message of a batch.
+            flight.simple("RESET ROLE", "role");
+        }
+        if let Some(insert) = &self.outbox {
+            for row in &self.plan.outbox {
+                flight.execute_owned(
+                    insert,
+                    vec![
+                        &self.plan.consumer,
+                        &self.plan.key,
+                        &row.destination,
+                        &row.idempotency_key,
+                        &row.payload,
+                        &row.headers,
+                    ],
+                    "outbox",
+                    Origin::Host,
+                );
+            }
+        }
     }
-    if plan.role.is_some() {
-        // Back to the host's role: for the outbox rows, and for the next message of a batch.
-        sqlx::query("RESET ROLE")
-            .execute(&mut **transaction)
-            .await
-            .map_err(host_error("role"))?;
+
+    fn set_role<'f>(&'f self, flight: &mut Flight<'f>) {
+        if let Some(role) = &self.role {
+            flight.simple(role, "role");
+        }
     }
-    if !plan.outbox.is_empty() {
-        outbox::insert(transaction, plan.consumer, plan.key, &plan.outbox)
-            .await
-            .map_err(host_error("outbox"))?;
+
+    fn effects_from<'f>(&'f self, flight: &mut Flight<'f>, from: usize, to: usize) {
+        let calls = self.plan.effects.iter().zip(&self.effects);
+        for (effect, (statement, values)) in calls.skip(from).take(to - from) {
+            flight.execute(statement, values, effect.statement, Origin::Effect);
+        }
     }
-    Ok(ClaimOutcome::Applied)
+}
+
+/// Statements sent together: every request leaves before the first reply is read, and the
+/// server runs them in order, so a flight costs one round trip however many statements it
+/// holds. Each statement is synced on its own: after one fails, the rest of the transaction
+/// fails with it (25P02), and a `COMMIT` at the end rolls back. The flight's error is its
+/// first.
+struct Flight<'f> {
+    client: &'f Client,
+    steps: Vec<Step<'f>>,
+}
+
+struct Step<'f> {
+    label: &'f str,
+    origin: Origin,
+    reply: Pin<Box<dyn Future<Output = Result<Reply, tokio_postgres::Error>> + Send + 'f>>,
+}
+
+/// A statement's reply.
+enum Reply {
+    /// Rows changed.
+    Rows(u64),
+    /// Rows returned.
+    Returned(Vec<Row>),
+}
+
+impl Reply {
+    fn rows(&self) -> u64 {
+        match self {
+            Reply::Rows(rows) => *rows,
+            Reply::Returned(rows) => rows.len() as u64,
+        }
+    }
+
+    fn returned(&self) -> &[Row] {
+        match self {
+            Reply::Rows(_) => &[],
+            Reply::Returned(rows) => rows,
+        }
+    }
+}
+
+impl<'f> Flight<'f> {
+    fn new(client: &'f Client) -> Flight<'f> {
+        Flight {
+            client,
+            steps: Vec::new(),
+        }
+    }
+
+    /// Statements with no parameters (one or several, `;`-separated), as one simple query.
+    fn simple(&mut self, sql: &'f str, label: &'f str) {
+        let client = self.client;
+        self.steps.push(Step {
+            label,
+            origin: Origin::Host,
+            reply: Box::pin(
+                async move { client.batch_execute(sql).await.map(|()| Reply::Rows(0)) },
+            ),
+        });
+    }
+
+    fn execute(
+        &mut self,
+        statement: &'f Statement,
+        values: &'f [&'f (dyn ToSql + Sync)],
+        label: &'f str,
+        origin: Origin,
+    ) {
+        let client = self.client;
+        self.steps.push(Step {
+            label,
+            origin,
+            reply: Box::pin(
+                async move { client.execute(statement, values).await.map(Reply::Rows) },
+            ),
+        });
+    }
+
+    /// As `execute`, with values gathered for this statement only.
+    fn execute_owned(
+        &mut self,
+        statement: &'f Statement,
+        values: Vec<&'f (dyn ToSql + Sync)>,
+        label: &'f str,
+        origin: Origin,
+    ) {
+        let client = self.client;
+        self.steps.push(Step {
+            label,
+            origin,
+            reply: Box::pin(
+                async move { client.execute(statement, &values).await.map(Reply::Rows) },
+            ),
+        });
+    }
+
+    fn query(
+        &mut self,
+        statement: &'f Statement,
+        values: &'f [&'f (dyn ToSql + Sync)],
+        label: &'f str,
+    ) {
+        let client = self.client;
+        self.steps.push(Step {
+            label,
+            origin: Origin::Host,
+            reply: Box::pin(
+                async move { client.query(statement, values).await.map(Reply::Returned) },
+            ),
+        });
+    }
+
+    /// `COMMIT`: its checks (deferred constraints, serialization) are the effects'.
+    fn commit(&mut self) {
+        let client = self.client;
+        self.steps.push(Step {
+            label: "commit",
+            origin: Origin::Effect,
+            reply: Box::pin(async move {
+                client
+                    .batch_execute("COMMIT")
+                    .await
+                    .map(|()| Reply::Rows(0))
+            }),
+        });
+    }
+
+    /// Sends every statement, in order, then waits for every reply.
+    async fn send(self) -> Result<Vec<Reply>, LedgerError> {
+        let (labels, replies): (Vec<_>, Vec<_>) = self
+            .steps
+            .into_iter()
+            .map(|step| ((step.label, step.origin), maybe_done(step.reply)))
+            .unzip();
+        let mut replies = replies;
+        // A statement's request leaves at its reply's first poll: poll each once, in order,
+        // so they leave in the flight's order before any reply is awaited.
+        futures::future::poll_fn(|context| {
+            for reply in &mut replies {
+                let _ = Pin::new(reply).poll(context);
+            }
+            Poll::Ready(())
+        })
+        .await;
+        let mut ok = Vec::with_capacity(replies.len());
+        let mut first_error = None;
+        for ((label, origin), mut reply) in labels.into_iter().zip(replies) {
+            (&mut reply).await;
+            match Pin::new(&mut reply).take_output() {
+                Some(Ok(reply)) => ok.push(reply),
+                Some(Err(source)) => {
+                    first_error.get_or_insert_with(|| classify(source.into(), label, origin));
+                }
+                None => unreachable!("a finished reply holds its output"),
+            }
+        }
+        match first_error {
+            Some(error) => Err(error),
+            None => Ok(ok),
+        }
+    }
 }
 
 /// `name` as a quoted SQL identifier.
@@ -557,12 +884,12 @@ fn quote_identifier(name: &str) -> String {
 }
 
 /// Maps a failure of the host's own statement `statement` to its error.
-fn host_error(statement: &'static str) -> impl Fn(sqlx::Error) -> LedgerError {
+fn host_error(statement: &'static str) -> impl Fn(SessionError) -> LedgerError {
     move |source| classify(source, statement, Origin::Host)
 }
 
 /// Sorts a failure by whose fault it is (see `fault`).
-fn classify(source: sqlx::Error, statement: &str, origin: Origin) -> LedgerError {
+fn classify(source: SessionError, statement: &str, origin: Origin) -> LedgerError {
     match fault::classify(&source, origin) {
         Fault::Transient => LedgerError::Transient { source },
         Fault::Message => LedgerError::Effect {

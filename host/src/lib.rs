@@ -11,14 +11,16 @@
 //! - [`process`]: one message start to finish; the only place that picks a disposition.
 //! - [`plugin`]: wasmtime components, a fresh sandbox per message, deadline and memory limits.
 //! - [`statement`]: named statements, prepared at start-up, effects type-checked against them.
-//! - [`ledger`]: the transaction: claim (ledger, natural or none), effects, outbox rows, commit.
+//! - [`ledger`]: the transaction: claim (ledger, natural or none), effects, outbox rows, commit,
+//!   sent in pipelined flights.
+//! - [`session`]: the pooled tokio-postgres connections the transactions run on.
 //! - [`fault`]: whose fault a database error is: reject the message, retry, or pause.
 //! - [`outbox`]: outbox rows, and the relay that delivers them after commit.
 //! - [`amqp`]: lapin: connect, declare, consume, dead-letter, ack.
 //! - [`reload`]: hot swap of plugins (file watch, SIGHUP, admin call).
 //! - [`retention`], [`partition`]: batched deletion of old claims, or daily partitions dropped whole.
 //! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`, `/admin/…`.
-//! - [`database`]: the pool, migrations, schema check.
+//! - [`database`]: opens the sessions and the bookkeeping pool (sqlx); migrations, schema check.
 //! - [`effect`], [`message`]: the data passed between them.
 //! - [`backoff`], [`failpoint`]: retry timing, and crash points for tests.
 
@@ -41,6 +43,7 @@ pub mod plugin;
 pub mod process;
 pub mod reload;
 pub mod retention;
+pub mod session;
 pub mod statement;
 pub mod tls;
 
@@ -96,9 +99,10 @@ pub async fn run_with_metrics(
     let token = CancellationToken::new();
     let trigger = token.clone();
     let serving = async {
-        let Some(pool) = database::connect(&config.database, &token).await? else {
+        let Some(database) = database::connect(&config.database, &token).await? else {
             return Ok(());
         };
+        let pool = database.pool.clone();
         database::check_schema(&pool, &config.database, config.outbox.is_some()).await?;
         database::record_consumers(&pool, &config.database, &config.pipelines).await?;
         let runtime = PluginRuntime::for_config(&config)?;
@@ -108,7 +112,7 @@ pub async fn run_with_metrics(
             let mut pipeline = Pipeline::start(
                 pipeline_config.clone(),
                 runtime.clone(),
-                pool.clone(),
+                &database,
                 Arc::clone(&metrics),
             )
             .await?;
@@ -167,6 +171,7 @@ pub async fn run_with_metrics(
         if let Some(http) = http {
             let _ = http.await;
         }
+        database.sessions.close_idle();
         pool.close().await;
         match refused {
             Some(error) => Err(error.into()),

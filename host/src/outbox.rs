@@ -16,7 +16,7 @@ use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
-use sqlx::{PgPool, Postgres, Row, Transaction};
+use sqlx::{PgPool, Row};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -33,7 +33,8 @@ pub struct OutboxRow {
     pub destination: String,
     pub idempotency_key: String,
     pub payload: Vec<u8>,
-    pub headers: Vec<(String, String)>,
+    /// The message's headers as the JSON object the row stores.
+    pub headers: serde_json::Value,
 }
 
 /// An outbox effect the host cannot accept: the message is dead-lettered, nothing runs.
@@ -46,8 +47,9 @@ pub enum OutboxError {
 }
 
 /// Written once per (destination, idempotency key): a repeat of the same row, from a
-/// pipeline without a claim, changes nothing.
-const INSERT_SQL: &str = "INSERT INTO idem_outbox \
+/// pipeline without a claim, changes nothing. Run inside the message's transaction
+/// (`ledger`): `$1` the consumer, `$2` the message's key, then the row's fields in order.
+pub(crate) const INSERT_SQL: &str = "INSERT INTO idem_outbox \
      (consumer, message_key, destination, idempotency_key, payload, headers) \
      VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT ON CONSTRAINT idem_outbox_once DO NOTHING";
 
@@ -98,35 +100,15 @@ impl OutboxRow {
             destination: message.destination.clone(),
             idempotency_key,
             payload: message.payload.clone(),
-            headers: message.headers.clone(),
+            headers: serde_json::Value::Object(
+                message
+                    .headers
+                    .iter()
+                    .map(|(name, value)| (name.clone(), serde_json::Value::String(value.clone())))
+                    .collect(),
+            ),
         })
     }
-}
-
-/// Writes `rows` inside the message's transaction.
-pub async fn insert(
-    transaction: &mut Transaction<'_, Postgres>,
-    consumer: &str,
-    message_key: &str,
-    rows: &[OutboxRow],
-) -> Result<(), sqlx::Error> {
-    for row in rows {
-        let headers: serde_json::Map<String, serde_json::Value> = row
-            .headers
-            .iter()
-            .map(|(name, value)| (name.clone(), serde_json::Value::String(value.clone())))
-            .collect();
-        sqlx::query(INSERT_SQL)
-            .bind(consumer)
-            .bind(message_key)
-            .bind(&row.destination)
-            .bind(&row.idempotency_key)
-            .bind(&row.payload)
-            .bind(serde_json::Value::Object(headers))
-            .execute(&mut **transaction)
-            .await?;
-    }
-    Ok(())
 }
 
 /// Wakes the relay when this host committed outbox rows, so it need not wait for its poll.

@@ -1,4 +1,4 @@
-//! One pipeline at run time: its config, plugin, statements, pool and pause state, built and
+//! One pipeline at run time: its config, plugin, statements, sessions and pause state, built and
 //! checked at start. The consume loop that feeds it deliveries is `consumer`.
 
 use std::sync::atomic::AtomicBool;
@@ -10,12 +10,14 @@ use sqlx::PgPool;
 use tracing::{debug, error, info};
 
 use crate::config::{ClaimMode, Isolation, PipelineConfig};
+use crate::database::Database;
 use crate::effect::Outcome;
 use crate::ledger::Plan;
 use crate::message::InboundMessage;
 use crate::metrics::Metrics;
 use crate::outbox::RelayWaker;
 use crate::plugin::{LoadedPlugin, PluginError, PluginRuntime};
+use crate::session::SessionPool;
 use crate::statement::{StatementCatalog, StatementErrors};
 
 /// Everything a worker needs to handle a message of this pipeline.
@@ -25,7 +27,8 @@ pub struct Pipeline {
     /// The plugin serving new messages; a message in flight keeps the version it started with.
     pub plugin: ArcSwap<LoadedPlugin>,
     pub statements: StatementCatalog,
-    pub pool: PgPool,
+    /// The sessions its transactions run on (shared by every pipeline).
+    pub sessions: SessionPool,
     pub metrics: Arc<Metrics>,
     /// The last reload attempt, for the admin status.
     pub reload_status: Mutex<ReloadStatus>,
@@ -114,14 +117,15 @@ impl Pipeline {
     pub async fn start(
         config: PipelineConfig,
         runtime: PluginRuntime,
-        pool: PgPool,
+        database: &Database,
         metrics: Arc<Metrics>,
     ) -> Result<Pipeline, PipelineError> {
+        let pool = &database.pool;
         let plugin = load_plugin(&runtime, &config).await?;
-        let statements = StatementCatalog::prepare(&pool, &config).await?;
+        let statements = StatementCatalog::prepare(pool, &config).await?;
         self_test(&runtime, &config, &statements, &plugin).await?;
         let partitioned_claims =
-            crate::partition::is_partitioned(&pool)
+            crate::partition::is_partitioned(pool)
                 .await
                 .map_err(|source| PipelineError::Schema {
                     pipeline: config.name.clone(),
@@ -137,7 +141,7 @@ impl Pipeline {
             });
         }
         if let Some(role) = &config.transaction.role {
-            check_role(&pool, &config.name, role).await?;
+            check_role(pool, &config.name, role).await?;
         }
         info!(
             pipeline = %config.name,
@@ -152,7 +156,7 @@ impl Pipeline {
             runtime,
             plugin: ArcSwap::from_pointee(plugin),
             statements,
-            pool,
+            sessions: database.sessions.clone(),
             metrics,
             reload_status: Mutex::new(ReloadStatus::default()),
             consuming: AtomicBool::new(false),

@@ -110,7 +110,7 @@ async fn apply_one(
     let mut retries = Retries::new(pipeline, shutdown);
     loop {
         let started = Instant::now();
-        let result = ledger::apply(&pipeline.pool, &pipeline.config.transaction, plan).await;
+        let result = ledger::apply(&pipeline.sessions, &pipeline.config.transaction, plan).await;
         pipeline
             .metrics
             .transaction_finished(pipeline.name(), started.elapsed());
@@ -172,7 +172,8 @@ pub async fn handle_batch(
             let applied = loop {
                 let started = Instant::now();
                 let result =
-                    ledger::apply_batch(&pipeline.pool, &pipeline.config.transaction, &plans).await;
+                    ledger::apply_batch(&pipeline.sessions, &pipeline.config.transaction, &plans)
+                        .await;
                 pipeline
                     .metrics
                     .transaction_finished(pipeline.name(), started.elapsed());

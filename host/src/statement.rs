@@ -5,9 +5,11 @@
 
 use std::collections::HashMap;
 
+use bytes::BytesMut;
 use chrono::{DateTime, NaiveDateTime, Utc};
-use sqlx::postgres::{PgArguments, PgPool, PgTypeInfo};
-use sqlx::{Arguments, Either, Executor, Statement, TypeInfo};
+use sqlx::postgres::{PgPool, PgTypeInfo};
+use sqlx::{Either, Executor, Statement, TypeInfo};
+use tokio_postgres::types::{IsNull, ToSql, Type};
 
 use crate::config::PipelineConfig;
 use crate::effect::Value;
@@ -238,27 +240,62 @@ async fn prepare_one(
 }
 
 impl BoundEffect<'_> {
-    /// The arguments, freshly encoded (a retried transaction encodes them again).
-    pub fn arguments(&self) -> Result<PgArguments, sqlx::Error> {
-        let mut arguments = PgArguments::default();
-        for value in &self.values {
-            let added = match value.clone() {
-                BoundValue::Bool(value) => arguments.add(value),
-                BoundValue::Int2(value) => arguments.add(value),
-                BoundValue::Int4(value) => arguments.add(value),
-                BoundValue::Int8(value) => arguments.add(value),
-                BoundValue::Float4(value) => arguments.add(value),
-                BoundValue::Float8(value) => arguments.add(value),
-                BoundValue::Text(value) => arguments.add(value),
-                BoundValue::Jsonb(value) => arguments.add(value.map(sqlx::types::Json)),
-                BoundValue::Bytea(value) => arguments.add(value),
-                BoundValue::Timestamptz(value) => arguments.add(value),
-                BoundValue::Timestamp(value) => arguments.add(value),
-                BoundValue::Uuid(value) => arguments.add(value),
-            };
-            added.map_err(sqlx::Error::Encode)?;
+    /// The values as the driver binds them, in parameter order.
+    pub fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
+        self.values
+            .iter()
+            .map(|value| value as &(dyn ToSql + Sync))
+            .collect()
+    }
+}
+
+/// Each value is written by its own Rust type's encoding; the catalog chose that type from
+/// the parameter type the server inferred, so the session's statement expects it.
+impl ToSql for BoundValue {
+    fn to_sql(
+        &self,
+        ty: &Type,
+        out: &mut BytesMut,
+    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        match self {
+            BoundValue::Bool(value) => value.to_sql(ty, out),
+            BoundValue::Int2(value) => value.to_sql(ty, out),
+            BoundValue::Int4(value) => value.to_sql(ty, out),
+            BoundValue::Int8(value) => value.to_sql(ty, out),
+            BoundValue::Float4(value) => value.to_sql(ty, out),
+            BoundValue::Float8(value) => value.to_sql(ty, out),
+            BoundValue::Text(value) => value.to_sql(ty, out),
+            BoundValue::Jsonb(value) => value.to_sql(ty, out),
+            BoundValue::Bytea(value) => value.to_sql(ty, out),
+            BoundValue::Timestamptz(value) => value.to_sql(ty, out),
+            BoundValue::Timestamp(value) => value.to_sql(ty, out),
+            BoundValue::Uuid(value) => value.to_sql(ty, out),
         }
-        Ok(arguments)
+    }
+
+    fn accepts(_ty: &Type) -> bool {
+        true
+    }
+
+    fn to_sql_checked(
+        &self,
+        ty: &Type,
+        out: &mut BytesMut,
+    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        match self {
+            BoundValue::Bool(value) => value.to_sql_checked(ty, out),
+            BoundValue::Int2(value) => value.to_sql_checked(ty, out),
+            BoundValue::Int4(value) => value.to_sql_checked(ty, out),
+            BoundValue::Int8(value) => value.to_sql_checked(ty, out),
+            BoundValue::Float4(value) => value.to_sql_checked(ty, out),
+            BoundValue::Float8(value) => value.to_sql_checked(ty, out),
+            BoundValue::Text(value) => value.to_sql_checked(ty, out),
+            BoundValue::Jsonb(value) => value.to_sql_checked(ty, out),
+            BoundValue::Bytea(value) => value.to_sql_checked(ty, out),
+            BoundValue::Timestamptz(value) => value.to_sql_checked(ty, out),
+            BoundValue::Timestamp(value) => value.to_sql_checked(ty, out),
+            BoundValue::Uuid(value) => value.to_sql_checked(ty, out),
+        }
     }
 }
 
@@ -284,6 +321,25 @@ impl ParamType {
             "UUID" => ParamType::Uuid,
             _ => return None,
         })
+    }
+
+    /// The type the server declares for such a parameter.
+    #[cfg(test)]
+    fn wire_type(self) -> Type {
+        match self {
+            ParamType::Bool => Type::BOOL,
+            ParamType::Int2 => Type::INT2,
+            ParamType::Int4 => Type::INT4,
+            ParamType::Int8 => Type::INT8,
+            ParamType::Float4 => Type::FLOAT4,
+            ParamType::Float8 => Type::FLOAT8,
+            ParamType::Text => Type::TEXT,
+            ParamType::Jsonb => Type::JSONB,
+            ParamType::Bytea => Type::BYTEA,
+            ParamType::Timestamptz => Type::TIMESTAMPTZ,
+            ParamType::Timestamp => Type::TIMESTAMP,
+            ParamType::Uuid => Type::UUID,
+        }
     }
 
     /// The plugin value kinds this parameter accepts, for error messages.
@@ -406,7 +462,13 @@ mod tests {
         match (catalog.bind(statement, &params), expected) {
             (Ok(bound), Ok(())) => {
                 assert_eq!(bound.statement, statement);
-                bound.arguments().expect("arguments encode");
+                let types = &catalog.statements[statement].params;
+                for (value, param_type) in bound.params().iter().zip(types) {
+                    let mut out = BytesMut::new();
+                    value
+                        .to_sql_checked(&param_type.wire_type(), &mut out)
+                        .expect("the value encodes as its parameter type");
+                }
             }
             (Err(error), Err(fragment)) => {
                 let message = error.to_string();

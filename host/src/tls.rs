@@ -1,18 +1,234 @@
 //! TLS failures as the connections see them: the handshake's verdict (an untrusted or
 //! mismatched certificate, a required client certificate missing, a peer that does not speak
 //! TLS) reaches PostgreSQL's and RabbitMQ's clients as an I/O error carrying a rustls error.
-//! It is a configuration fault; a network failure carries none and is retried.
+//! It is a configuration fault; a network failure carries none and is retried. And the TLS
+//! client settings of the message transactions' PostgreSQL sessions, as libpq's `sslmode`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls::DigitallySignedStruct;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 
 /// Whether an I/O error carries the TLS handshake's verdict (an untrusted or mismatched
 /// certificate, a peer that does not speak TLS) rather than a network failure.
 pub fn carries_tls_error(io_error: &std::io::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> =
-        io_error.get_ref().map(|inner| inner as _);
-    while let Some(error) = source {
+    io_error
+        .get_ref()
+        .is_some_and(|inner| chain_carries_tls_error(inner))
+}
+
+/// Whether `error` or any error it wraps is a rustls error.
+pub fn chain_carries_tls_error(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
         if error.downcast_ref::<rustls::Error>().is_some() {
             return true;
         }
-        source = error.source();
+        // An I/O error's `source` skips the error it wraps.
+        next = match error.downcast_ref::<std::io::Error>() {
+            Some(io_error) => io_error.get_ref().map(|inner| inner as _),
+            None => error.source(),
+        };
     }
     false
+}
+
+/// How a PostgreSQL session checks the server's certificate, as libpq's `sslmode` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verify {
+    /// `prefer`, `require`: encrypted, the certificate not checked.
+    Nothing,
+    /// `verify-ca`: signed by a trusted authority, whatever name it carries.
+    Authority,
+    /// `verify-full`: signed by a trusted authority and naming the host.
+    Full,
+}
+
+/// Why the TLS settings of PostgreSQL sessions cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read {what} {path}: {reason}")]
+pub struct TlsFileError {
+    what: &'static str,
+    path: PathBuf,
+    reason: String,
+}
+
+/// The rustls client configuration of a PostgreSQL session: the authorities of `root_cert`
+/// (a PEM file) beside the Mozilla roots, and the client certificate `cert` with its `key`
+/// when the server asks for one. The same rules as the bookkeeping pool's driver.
+pub fn postgres_client_config(
+    verify: Verify,
+    root_cert: Option<&Path>,
+    client: Option<(&Path, &Path)>,
+) -> Result<rustls::ClientConfig, TlsFileError> {
+    let mut roots =
+        rustls::RootCertStore::from_iter(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = root_cert {
+        for certificate in
+            CertificateDer::pem_file_iter(path).map_err(file_error("sslrootcert", path))?
+        {
+            let certificate = certificate.map_err(file_error("sslrootcert", path))?;
+            roots.add(certificate).map_err(|error| TlsFileError {
+                what: "sslrootcert",
+                path: path.to_path_buf(),
+                reason: error.to_string(),
+            })?;
+        }
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(|error| TlsFileError {
+            what: "the TLS provider",
+            path: PathBuf::new(),
+            reason: error.to_string(),
+        })?;
+    let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
+        Arc::new(roots),
+        Arc::clone(&provider),
+    )
+    .build()
+    .map_err(|error| TlsFileError {
+        what: "sslrootcert",
+        path: root_cert.map(Path::to_path_buf).unwrap_or_default(),
+        reason: error.to_string(),
+    })?;
+    let builder = match verify {
+        Verify::Full => builder.with_webpki_verifier(webpki),
+        Verify::Authority => builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(AnyName(webpki))),
+        Verify::Nothing => builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(Unchecked(provider))),
+    };
+    match client {
+        None => Ok(builder.with_no_client_auth()),
+        Some((cert, key)) => {
+            let chain = CertificateDer::pem_file_iter(cert)
+                .map_err(file_error("sslcert", cert))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(file_error("sslcert", cert))?;
+            let key_der = PrivateKeyDer::from_pem_file(key).map_err(file_error("sslkey", key))?;
+            builder
+                .with_client_auth_cert(chain, key_der)
+                .map_err(|error| TlsFileError {
+                    what: "sslcert and sslkey",
+                    path: cert.to_path_buf(),
+                    reason: error.to_string(),
+                })
+        }
+    }
+}
+
+fn file_error(
+    what: &'static str,
+    path: &Path,
+) -> impl Fn(rustls::pki_types::pem::Error) -> TlsFileError + use<> {
+    let path = path.to_path_buf();
+    move |error| TlsFileError {
+        what,
+        path: path.clone(),
+        reason: error.to_string(),
+    }
+}
+
+/// `verify-ca`: the chain is checked, the name is not.
+#[derive(Debug)]
+struct AnyName(Arc<rustls::client::WebPkiServerVerifier>);
+
+/// `prefer` and `require`: nothing is checked but the handshake's own signatures.
+#[derive(Debug)]
+struct Unchecked(Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for AnyName {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForName
+                | rustls::CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+impl ServerCertVerifier for Unchecked {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
 }

@@ -54,7 +54,7 @@ async fn a_failing_message_rolls_back_to_its_savepoint_and_the_rest_commit() {
     let pipeline = idem_host::pipeline::Pipeline::start(
         config.pipelines[0].clone(),
         idem_host::plugin::PluginRuntime::new().expect("runtime"),
-        env.pool.clone(),
+        &env.open_database().await,
         Arc::new(Metrics::new()),
     )
     .await

@@ -62,7 +62,7 @@ async fn start_pipeline(env: &TestEnv, pipeline_text: &str) -> Result<Pipeline, 
     Pipeline::start(
         config.pipelines[0].clone(),
         PluginRuntime::new().expect("plugin runtime"),
-        env.pool.clone(),
+        &env.open_database().await,
         Arc::new(Metrics::new()),
     )
     .await
@@ -519,7 +519,7 @@ async fn example_pipelines_start_against_their_schemas() {
             Pipeline::start(
                 pipeline_config,
                 PluginRuntime::new().expect("plugin runtime"),
-                env.pool.clone(),
+                &env.open_database().await,
                 Arc::new(Metrics::new()),
             )
             .await

@@ -178,11 +178,19 @@ impl TestEnv {
         idem_host::pipeline::Pipeline::start(
             config.pipelines[0].clone(),
             runtime,
-            self.pool.clone(),
+            &self.open_database().await,
             std::sync::Arc::new(idem_host::metrics::Metrics::new()),
         )
         .await
         .expect("pipeline starts")
+    }
+
+    /// The host's sessions and bookkeeping pool for this env's `[database]`, opened as `idem
+    /// run` opens them, for starting a pipeline directly.
+    pub async fn open_database(&self) -> idem_host::database::Database {
+        idem_host::database::open(&self.config("loyalty", "").database)
+            .await
+            .expect("the host connects to the test database")
     }
 
     /// Writes the config to a file, for tests that run the `idem` binary.

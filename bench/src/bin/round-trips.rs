@@ -1,12 +1,12 @@
-//! What round trips cost one message's transaction, before any change of driver: the loyalty
-//! transaction (claim, credit, ledger row) for the same orders, three ways, in one run:
+//! What round trips cost one message's transaction: the loyalty transaction (claim, credit,
+//! ledger row) for the same orders, three ways, in one run:
 //!
-//! - `idem (sqlx)`: the host's own code, `ledger::apply`: BEGIN with the timeouts, the claim,
-//!   two effects, COMMIT; five round trips, each statement waiting for the last;
-//! - `tokio-postgres, one by one`: the same five statements and round trips on another
-//!   driver, to separate the driver's cost from the round trips';
-//! - `tokio-postgres, pipelined`: BEGIN with the claim in one flight, then (the claim being
-//!   new) both effects and COMMIT in a second: two round trips.
+//! - `idem`: the host's own code, `ledger::apply` on its sessions: BEGIN with the timeouts and
+//!   the claim in one flight, then (the claim being new) both effects and COMMIT in a second;
+//! - `tokio-postgres, one by one`: the same five statements on a bare connection, each
+//!   waiting for the last: five round trips, the cost of the host without pipelining;
+//! - `tokio-postgres, pipelined`: the same two flights on a bare connection, hand-written:
+//!   the floor for two round trips, so the difference to `idem` is the host's own cost.
 //!
 //! Run: `cargo run --release -p idem-bench --bin round-trips` (PostgreSQL on 127.0.0.1;
 //! IDEM_BENCH_ADMIN_URL and IDEM_BENCH_DATABASE_URL override where).
@@ -36,7 +36,7 @@ enum Way {
 impl Way {
     fn label(self) -> &'static str {
         match self {
-            Way::Idem => "idem (sqlx), 5 round trips",
+            Way::Idem => "idem, pipelined, 2",
             Way::OneByOne => "tokio-postgres, one by one, 5",
             Way::Pipelined => "tokio-postgres, pipelined, 2",
         }
@@ -46,7 +46,7 @@ impl Way {
 struct Shared {
     pipeline: PipelineConfig,
     catalog: Arc<StatementCatalog>,
-    pool: sqlx::PgPool,
+    sessions: idem_host::session::SessionPool,
     database_url: String,
     next_order: AtomicI64,
     last_order: i64,
@@ -76,11 +76,7 @@ async fn main() {
             let shared = Arc::new(Shared {
                 pipeline: pipeline.clone(),
                 catalog: Arc::clone(&catalog),
-                pool: sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(u32::try_from(connections).unwrap_or(4))
-                    .connect(&database_url)
-                    .await
-                    .expect("pool"),
+                sessions: sessions(&config, connections).await,
                 database_url: database_url.clone(),
                 next_order: AtomicI64::new(next_first),
                 last_order: next_first + ORDERS_PER_RUN - 1,
@@ -120,7 +116,7 @@ async fn main() {
                 idem_bench::micros(latency.p99)
             );
             rates.push((way, rate));
-            shared.pool.close().await;
+            shared.sessions.close_idle();
         }
         let rate_of = |wanted: Way| {
             rates
@@ -129,12 +125,28 @@ async fn main() {
                 .map_or(f64::NAN, |(_, rate)| *rate)
         };
         println!(
-            "  {connections} connection(s): pipelined / idem {:.2}, pipelined / one by one {:.2}, one by one / idem {:.2}",
-            rate_of(Way::Pipelined) / rate_of(Way::Idem),
+            "  {connections} connection(s): idem / one by one {:.2}, idem / bare pipelined {:.2}, bare pipelined / one by one {:.2}",
+            rate_of(Way::Idem) / rate_of(Way::OneByOne),
+            rate_of(Way::Idem) / rate_of(Way::Pipelined),
             rate_of(Way::Pipelined) / rate_of(Way::OneByOne),
-            rate_of(Way::OneByOne) / rate_of(Way::Idem),
         );
     }
+}
+
+/// The host's sessions, at most `connections` of them.
+async fn sessions(
+    config: &idem_host::config::Config,
+    connections: usize,
+) -> idem_host::session::SessionPool {
+    let mut database = config.database.clone();
+    database.max_connections = u32::try_from(connections)
+        .ok()
+        .and_then(std::num::NonZeroU32::new)
+        .unwrap_or(std::num::NonZeroU32::MIN);
+    idem_host::database::open(&database)
+        .await
+        .expect("the host's sessions open")
+        .sessions
 }
 
 /// One connection's share of the run: takes orders until there are none left.
@@ -160,7 +172,7 @@ async fn run(way: Way, shared: Arc<Shared>) -> Vec<Duration> {
                 let plan = Plan::build(&shared.pipeline, &shared.catalog, &decision, DIGEST, false)
                     .expect("plan");
                 let outcome =
-                    idem_host::ledger::apply(&shared.pool, &shared.pipeline.transaction, &plan)
+                    idem_host::ledger::apply(&shared.sessions, &shared.pipeline.transaction, &plan)
                         .await
                         .expect("transaction");
                 assert_eq!(outcome, ClaimOutcome::Applied);

@@ -1,0 +1,231 @@
+//! Sessions: the PostgreSQL connections the message transactions run on, pooled.
+//!
+//! They are tokio-postgres connections because it pipelines: the statements of a flight
+//! (`ledger`) leave together and their replies come back together, one round trip for many
+//! statements, which sqlx cannot do. Each session prepares a statement once and keeps it.
+//! `database` decides where and how they connect (URL, TLS, keepalives, session settings)
+//! and opens this pool beside sqlx's bookkeeping pool; nothing else opens a session.
+//!
+//! A session that may be inside a transaction (a transaction abandoned mid-way, past its
+//! deadline, or whose future was dropped) is closed, never handed out again.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_postgres::{Client, NoTls, Statement};
+use tokio_postgres_rustls::MakeRustlsConnect;
+use tracing::debug;
+
+/// How long taking a session may wait, for a free one or for a new connection.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why no session could be had, or a statement failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error(transparent)]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error(
+        "no PostgreSQL session within {timeout:?}: all {max} are busy, or the server does not answer"
+    )]
+    Timeout { timeout: Duration, max: u32 },
+}
+
+impl SessionError {
+    /// The server's error, when the server sent one.
+    pub fn database_error(&self) -> Option<&tokio_postgres::error::DbError> {
+        match self {
+            SessionError::Postgres(error) => error.as_db_error(),
+            SessionError::Timeout { .. } => None,
+        }
+    }
+}
+
+/// The pool of sessions, shared by every pipeline; cheap to clone.
+#[derive(Clone)]
+pub struct SessionPool {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for SessionPool {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("SessionPool")
+            .field("max", &self.shared.max)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Shared {
+    config: tokio_postgres::Config,
+    /// `None` when TLS is off (`sslmode=disable` or `allow`).
+    tls: Option<MakeRustlsConnect>,
+    idle: Mutex<Vec<Connection>>,
+    permits: Arc<Semaphore>,
+    max: u32,
+}
+
+/// One connection: its client, the task driving its socket, its prepared statements.
+struct Connection {
+    client: Client,
+    driver: tokio::task::JoinHandle<()>,
+    prepared: HashMap<String, Statement>,
+}
+
+impl SessionPool {
+    /// A pool of at most `max` sessions connecting with `config`; opens none yet.
+    pub(crate) fn new(
+        config: tokio_postgres::Config,
+        tls: Option<MakeRustlsConnect>,
+        max: u32,
+    ) -> SessionPool {
+        SessionPool {
+            shared: Arc::new(Shared {
+                config,
+                tls,
+                idle: Mutex::new(Vec::new()),
+                permits: Arc::new(Semaphore::new(max as usize)),
+                max,
+            }),
+        }
+    }
+
+    /// Takes an idle session, or opens one; waits at most five seconds.
+    pub async fn acquire(&self) -> Result<Session, SessionError> {
+        let shared = &self.shared;
+        let taking = async {
+            let permit = Arc::clone(&shared.permits)
+                .acquire_owned()
+                .await
+                .expect("the session semaphore is never closed");
+            let idle = loop {
+                let Some(connection) = shared.idle.lock().expect("idle sessions").pop() else {
+                    break None;
+                };
+                if !connection.client.is_closed() {
+                    break Some(connection);
+                }
+            };
+            let connection = match idle {
+                Some(connection) => connection,
+                None => shared.connect().await?,
+            };
+            Ok(Session {
+                connection: Some(connection),
+                shared: Arc::clone(shared),
+                in_transaction: false,
+                _permit: permit,
+            })
+        };
+        tokio::time::timeout(ACQUIRE_TIMEOUT, taking)
+            .await
+            .unwrap_or(Err(SessionError::Timeout {
+                timeout: ACQUIRE_TIMEOUT,
+                max: shared.max,
+            }))
+    }
+
+    /// Closes the idle sessions (at shutdown); sessions in use close when returned.
+    pub fn close_idle(&self) {
+        self.shared.idle.lock().expect("idle sessions").clear();
+    }
+}
+
+impl Shared {
+    async fn connect(&self) -> Result<Connection, SessionError> {
+        let (client, driver) = match &self.tls {
+            Some(tls) => {
+                let (client, connection) = self.config.connect(tls.clone()).await?;
+                (client, tokio::spawn(drive(connection)))
+            }
+            None => {
+                let (client, connection) = self.config.connect(NoTls).await?;
+                (client, tokio::spawn(drive(connection)))
+            }
+        };
+        Ok(Connection {
+            client,
+            driver,
+            prepared: HashMap::new(),
+        })
+    }
+}
+
+/// Runs a connection's socket until the client is dropped or the connection fails.
+async fn drive<S, T>(connection: tokio_postgres::Connection<S, T>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    if let Err(error) = connection.await {
+        debug!(%error, "A PostgreSQL session ended.");
+    }
+}
+
+/// A session taken from the pool; back to the pool when dropped, unless it may be inside a
+/// transaction or its connection is gone.
+pub struct Session {
+    connection: Option<Connection>,
+    shared: Arc<Shared>,
+    in_transaction: bool,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Session {
+    pub fn client(&self) -> &Client {
+        &self.connection().client
+    }
+
+    fn connection(&self) -> &Connection {
+        self.connection
+            .as_ref()
+            .expect("a session holds its connection until dropped")
+    }
+
+    /// `sql` prepared on this session: from its cache, or prepared now (one round trip).
+    pub async fn prepared(&mut self, sql: &str) -> Result<Statement, SessionError> {
+        let connection = self
+            .connection
+            .as_mut()
+            .expect("a session holds its connection until dropped");
+        if let Some(statement) = connection.prepared.get(sql) {
+            return Ok(statement.clone());
+        }
+        let statement = connection.client.prepare(sql).await?;
+        connection
+            .prepared
+            .insert(sql.to_string(), statement.clone());
+        Ok(statement)
+    }
+
+    /// Marks whether a transaction may be open: a session dropped while one may be is closed.
+    pub fn set_in_transaction(&mut self, open: bool) {
+        self.in_transaction = open;
+    }
+
+    /// Closes the connection at once (past a deadline, after an outdated plan): the server
+    /// rolls back whatever it held, and the pool opens a new one when needed.
+    pub fn detach(mut self) {
+        if let Some(connection) = self.connection.take() {
+            connection.driver.abort();
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let Some(connection) = self.connection.take() else {
+            return;
+        };
+        if self.in_transaction || connection.client.is_closed() {
+            connection.driver.abort();
+            return;
+        }
+        self.shared
+            .idle
+            .lock()
+            .expect("idle sessions")
+            .push(connection);
+    }
+}
