@@ -11,6 +11,7 @@ use tracing::{info, warn};
 
 use crate::backoff::Backoff;
 use crate::config::{DatabaseConfig, DatabaseTls, PipelineConfig, SslMode, redact_url};
+use crate::fault::DatabaseFailure;
 use crate::session::{SessionError, SessionPool};
 use crate::tls::Verify;
 
@@ -88,15 +89,24 @@ fn resolve(config: &DatabaseConfig) -> Result<PgConnectOptions, DatabaseError> {
 
 fn connect_error(config: &DatabaseConfig, source: sqlx::Error) -> DatabaseError {
     match refused_setting(&source) {
-        Some(setting) => DatabaseError::Refused {
-            endpoint: redact_url(&config.url),
-            reason: crate::fault::describe(&source),
-            setting,
-        },
+        Some(setting) => refused(config, setting, &source),
         None => DatabaseError::Connect {
             endpoint: redact_url(&config.url),
             source,
         },
+    }
+}
+
+/// A refusal no retry can fix, naming the setting to change.
+fn refused(
+    config: &DatabaseConfig,
+    setting: &'static str,
+    error: &impl DatabaseFailure,
+) -> DatabaseError {
+    DatabaseError::Refused {
+        endpoint: redact_url(&config.url),
+        reason: crate::fault::describe(error),
+        setting,
     }
 }
 
@@ -129,11 +139,7 @@ pub async fn open(config: &DatabaseConfig) -> Result<Database, DatabaseError> {
         .acquire()
         .await
         .map_err(|source| match session_refused_setting(&source) {
-            Some(setting) => DatabaseError::Refused {
-                endpoint: redact_url(&config.url),
-                reason: crate::fault::describe(&source),
-                setting,
-            },
+            Some(setting) => refused(config, setting, &source),
             None => DatabaseError::Sessions {
                 endpoint: redact_url(&config.url),
                 source,
@@ -184,28 +190,18 @@ fn sessions(
         parameter(name)
             .map(|value| std::path::PathBuf::from(value.strip_prefix("file: ").unwrap_or(&value)))
     };
-    let verify = match options.get_ssl_mode() {
+    use tokio_postgres::config::SslMode as Wire;
+    let (wire, verify) = match options.get_ssl_mode() {
         PgSslMode::Disable | PgSslMode::Allow => {
-            session.ssl_mode(tokio_postgres::config::SslMode::Disable);
+            session.ssl_mode(Wire::Disable);
             return Ok(SessionPool::new(session, None, max_sessions));
         }
-        PgSslMode::Prefer => {
-            session.ssl_mode(tokio_postgres::config::SslMode::Prefer);
-            Verify::Nothing
-        }
-        PgSslMode::Require => {
-            session.ssl_mode(tokio_postgres::config::SslMode::Require);
-            Verify::Nothing
-        }
-        PgSslMode::VerifyCa => {
-            session.ssl_mode(tokio_postgres::config::SslMode::Require);
-            Verify::Authority
-        }
-        PgSslMode::VerifyFull => {
-            session.ssl_mode(tokio_postgres::config::SslMode::Require);
-            Verify::Full
-        }
+        PgSslMode::Prefer => (Wire::Prefer, Verify::Nothing),
+        PgSslMode::Require => (Wire::Require, Verify::Nothing),
+        PgSslMode::VerifyCa => (Wire::Require, Verify::Authority),
+        PgSslMode::VerifyFull => (Wire::Require, Verify::Full),
     };
+    session.ssl_mode(wire);
     let root_cert = file("sslrootcert");
     let client_cert = file("sslcert").zip(file("sslkey"));
     let tls = crate::tls::postgres_client_config(
@@ -256,13 +252,18 @@ const TLS_SETTINGS: &str =
 
 /// As `refused_setting`, for a session's connection.
 fn session_refused_setting(error: &SessionError) -> Option<&'static str> {
-    let SessionError::Postgres(error) = error else {
+    let SessionError::Postgres(postgres_error) = error else {
         return None;
     };
-    match error.code().map(tokio_postgres::error::SqlState::code) {
+    refused_by_server(error)
+        .or_else(|| crate::tls::chain_carries_tls_error(postgres_error).then_some(TLS_SETTINGS))
+}
+
+/// The setting to change when the server refused the credentials or the database.
+fn refused_by_server(error: &impl DatabaseFailure) -> Option<&'static str> {
+    match error.sqlstate().as_deref() {
         Some("28P01" | "28000") => Some("the user and password in [database] url"),
         Some("3D000") => Some("the database name in [database] url"),
-        _ if crate::tls::chain_carries_tls_error(error) => Some(TLS_SETTINGS),
         _ => None,
     }
 }
@@ -272,11 +273,7 @@ fn session_refused_setting(error: &SessionError) -> Option<&'static str> {
 /// refused or unreachable address is not among them: it is retried.
 fn refused_setting(error: &sqlx::Error) -> Option<&'static str> {
     match error {
-        sqlx::Error::Database(database_error) => match database_error.code().as_deref() {
-            Some("28P01" | "28000") => Some("the user and password in [database] url"),
-            Some("3D000") => Some("the database name in [database] url"),
-            _ => None,
-        },
+        sqlx::Error::Database(_) => refused_by_server(error),
         sqlx::Error::Tls(_) => Some(TLS_SETTINGS),
         // The handshake's verdict (an untrusted or mismatched certificate) arrives as an I/O
         // error carrying the TLS error; a network failure carries none.

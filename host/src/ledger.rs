@@ -236,15 +236,13 @@ async fn apply_on(
     let decided = match first.send().await {
         Ok(replies) => work.outcome(&replies),
         Err(error) => {
-            rollback(client).await?;
-            session.set_in_transaction(false);
+            rollback(session).await?;
             return Err(error);
         }
     };
     if decided != ClaimOutcome::Applied {
         // A duplicate or stale message commits nothing.
-        rollback(client).await?;
-        session.set_in_transaction(false);
+        rollback(session).await?;
         return Ok(decided);
     }
     Failpoint::BeforeCommit.hit();
@@ -383,8 +381,7 @@ async fn apply_batch_optimistic(
             .map(|row| row.get::<_, String>(0))
             .collect(),
         Err(error) => {
-            rollback(client).await?;
-            session.set_in_transaction(false);
+            rollback(session).await?;
             return Err(error);
         }
     };
@@ -398,8 +395,7 @@ async fn apply_batch_optimistic(
         }
     }
     if applying.is_empty() {
-        rollback(client).await?;
-        session.set_in_transaction(false);
+        rollback(session).await?;
     } else {
         Failpoint::BeforeCommit.hit();
         let mut second = Flight::new(client);
@@ -452,14 +448,19 @@ async fn apply_batch_isolating(
     }
     let begin = settings.begin_sql();
     session.set_in_transaction(true);
-    let client = session.client();
-    let ran = run_isolated(client, &begin, &works, &mut items).await;
-    let ended = match ran {
-        Ok(applied) => finish_isolated(client, applied).await,
-        Err(error) => rollback(client).await.and(Err(error)),
-    };
-    session.set_in_transaction(false);
-    ended?;
+    match run_isolated(session.client(), &begin, &works, &mut items).await {
+        Ok(isolated) if isolated.applied > 0 => {
+            let committed = commit_isolated(session.client(), isolated.undo_last).await;
+            // The flight ended the transaction: `COMMIT` after a failed statement rolls back.
+            session.set_in_transaction(false);
+            committed?;
+        }
+        Ok(_) => rollback(session).await?,
+        Err(error) => {
+            rollback(session).await?;
+            return Err(error);
+        }
+    }
     Ok(items
         .into_iter()
         .map(|item| item.unwrap_or(Ok(ClaimOutcome::Duplicate)))
@@ -520,14 +521,10 @@ async fn run_isolated(
     Ok(Isolated { applied, undo_last })
 }
 
-/// Commits a batch that applied something (undoing its last message first if it must);
-/// rolls back one that did not.
-async fn finish_isolated(client: &Client, isolated: Isolated) -> Result<(), LedgerError> {
-    if isolated.applied == 0 {
-        return rollback(client).await;
-    }
+/// Commits a batch that applied something, undoing its last message first if it must.
+async fn commit_isolated(client: &Client, undo_last: bool) -> Result<(), LedgerError> {
     let mut last = Flight::new(client);
-    if isolated.undo_last {
+    if undo_last {
         last.simple(UNDO_SAVEPOINT, "savepoint");
     }
     Failpoint::BeforeCommit.hit();
@@ -536,11 +533,8 @@ async fn finish_isolated(client: &Client, isolated: Isolated) -> Result<(), Ledg
 }
 
 /// Ends the open transaction without keeping anything.
-async fn rollback(client: &Client) -> Result<(), LedgerError> {
-    client
-        .batch_execute("ROLLBACK")
-        .await
-        .map_err(|source| classify(source.into(), "rollback", Origin::Host))
+async fn rollback(session: &mut Session) -> Result<(), LedgerError> {
+    session.rollback().await.map_err(host_error("rollback"))
 }
 
 /// One message's statements prepared on the session, with their values.
@@ -685,10 +679,10 @@ impl<'p> Work<'p> {
         }
         if let Some(insert) = &self.outbox {
             for row in &self.plan.outbox {
-                flight.execute_owned(
+                flight.execute(
                     insert,
-                    vec![
-                        &self.plan.consumer,
+                    [
+                        &self.plan.consumer as &(dyn ToSql + Sync),
                         &self.plan.key,
                         &row.destination,
                         &row.idempotency_key,
@@ -764,50 +758,40 @@ impl<'f> Flight<'f> {
         }
     }
 
+    fn push(
+        &mut self,
+        label: &'f str,
+        origin: Origin,
+        reply: impl Future<Output = Result<Reply, tokio_postgres::Error>> + Send + 'f,
+    ) {
+        self.steps.push(Step {
+            label,
+            origin,
+            reply: Box::pin(reply),
+        });
+    }
+
     /// Statements with no parameters (one or several, `;`-separated), as one simple query.
     fn simple(&mut self, sql: &'f str, label: &'f str) {
         let client = self.client;
-        self.steps.push(Step {
-            label,
-            origin: Origin::Host,
-            reply: Box::pin(
-                async move { client.batch_execute(sql).await.map(|()| Reply::Rows(0)) },
-            ),
+        self.push(label, Origin::Host, async move {
+            client.batch_execute(sql).await.map(|()| Reply::Rows(0))
         });
     }
 
     fn execute(
         &mut self,
         statement: &'f Statement,
-        values: &'f [&'f (dyn ToSql + Sync)],
+        values: impl AsRef<[&'f (dyn ToSql + Sync)]> + Send + 'f,
         label: &'f str,
         origin: Origin,
     ) {
         let client = self.client;
-        self.steps.push(Step {
-            label,
-            origin,
-            reply: Box::pin(
-                async move { client.execute(statement, values).await.map(Reply::Rows) },
-            ),
-        });
-    }
-
-    /// As `execute`, with values gathered for this statement only.
-    fn execute_owned(
-        &mut self,
-        statement: &'f Statement,
-        values: Vec<&'f (dyn ToSql + Sync)>,
-        label: &'f str,
-        origin: Origin,
-    ) {
-        let client = self.client;
-        self.steps.push(Step {
-            label,
-            origin,
-            reply: Box::pin(
-                async move { client.execute(statement, &values).await.map(Reply::Rows) },
-            ),
+        self.push(label, origin, async move {
+            client
+                .execute(statement, values.as_ref())
+                .await
+                .map(Reply::Rows)
         });
     }
 
@@ -818,28 +802,17 @@ impl<'f> Flight<'f> {
         label: &'f str,
     ) {
         let client = self.client;
-        self.steps.push(Step {
-            label,
-            origin: Origin::Host,
-            reply: Box::pin(
-                async move { client.query(statement, values).await.map(Reply::Returned) },
-            ),
+        self.push(label, Origin::Host, async move {
+            client.query(statement, values).await.map(Reply::Returned)
         });
     }
 
     /// `COMMIT`: its checks (deferred constraints, serialization) are the effects'.
     fn commit(&mut self) {
-        let client = self.client;
-        self.steps.push(Step {
-            label: "commit",
-            origin: Origin::Effect,
-            reply: Box::pin(async move {
-                client
-                    .batch_execute("COMMIT")
-                    .await
-                    .map(|()| Reply::Rows(0))
-            }),
-        });
+        self.simple("COMMIT", "commit");
+        if let Some(step) = self.steps.last_mut() {
+            step.origin = Origin::Effect;
+        }
     }
 
     /// Sends every statement, in order, then waits for every reply.

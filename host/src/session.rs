@@ -204,6 +204,14 @@ impl Session {
         self.in_transaction = open;
     }
 
+    /// Ends the open transaction without keeping anything; until it succeeds, the session
+    /// counts as inside one (and is closed when dropped).
+    pub async fn rollback(&mut self) -> Result<(), SessionError> {
+        self.client().batch_execute("ROLLBACK").await?;
+        self.in_transaction = false;
+        Ok(())
+    }
+
     /// Closes the connection at once (past a deadline, after an outdated plan): the server
     /// rolls back whatever it held, and the pool opens a new one when needed.
     pub fn detach(mut self) {

@@ -249,28 +249,35 @@ impl BoundEffect<'_> {
     }
 }
 
-/// Each value is written by its own Rust type's encoding; the catalog chose that type from
-/// the parameter type the server inferred, so the session's statement expects it.
+impl BoundValue {
+    /// The value as its own Rust type, which the driver encodes.
+    fn value(&self) -> &(dyn ToSql + Sync) {
+        match self {
+            BoundValue::Bool(value) => value,
+            BoundValue::Int2(value) => value,
+            BoundValue::Int4(value) => value,
+            BoundValue::Int8(value) => value,
+            BoundValue::Float4(value) => value,
+            BoundValue::Float8(value) => value,
+            BoundValue::Text(value) => value,
+            BoundValue::Jsonb(value) => value,
+            BoundValue::Bytea(value) => value,
+            BoundValue::Timestamptz(value) => value,
+            BoundValue::Timestamp(value) => value,
+            BoundValue::Uuid(value) => value,
+        }
+    }
+}
+
+/// Each value is written by its own Rust type's encoding, which checks it against the
+/// parameter's type; the catalog chose that Rust type from the type the server inferred.
 impl ToSql for BoundValue {
     fn to_sql(
         &self,
         ty: &Type,
         out: &mut BytesMut,
     ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
-        match self {
-            BoundValue::Bool(value) => value.to_sql(ty, out),
-            BoundValue::Int2(value) => value.to_sql(ty, out),
-            BoundValue::Int4(value) => value.to_sql(ty, out),
-            BoundValue::Int8(value) => value.to_sql(ty, out),
-            BoundValue::Float4(value) => value.to_sql(ty, out),
-            BoundValue::Float8(value) => value.to_sql(ty, out),
-            BoundValue::Text(value) => value.to_sql(ty, out),
-            BoundValue::Jsonb(value) => value.to_sql(ty, out),
-            BoundValue::Bytea(value) => value.to_sql(ty, out),
-            BoundValue::Timestamptz(value) => value.to_sql(ty, out),
-            BoundValue::Timestamp(value) => value.to_sql(ty, out),
-            BoundValue::Uuid(value) => value.to_sql(ty, out),
-        }
+        self.value().to_sql_checked(ty, out)
     }
 
     fn accepts(_ty: &Type) -> bool {
@@ -282,20 +289,7 @@ impl ToSql for BoundValue {
         ty: &Type,
         out: &mut BytesMut,
     ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
-        match self {
-            BoundValue::Bool(value) => value.to_sql_checked(ty, out),
-            BoundValue::Int2(value) => value.to_sql_checked(ty, out),
-            BoundValue::Int4(value) => value.to_sql_checked(ty, out),
-            BoundValue::Int8(value) => value.to_sql_checked(ty, out),
-            BoundValue::Float4(value) => value.to_sql_checked(ty, out),
-            BoundValue::Float8(value) => value.to_sql_checked(ty, out),
-            BoundValue::Text(value) => value.to_sql_checked(ty, out),
-            BoundValue::Jsonb(value) => value.to_sql_checked(ty, out),
-            BoundValue::Bytea(value) => value.to_sql_checked(ty, out),
-            BoundValue::Timestamptz(value) => value.to_sql_checked(ty, out),
-            BoundValue::Timestamp(value) => value.to_sql_checked(ty, out),
-            BoundValue::Uuid(value) => value.to_sql_checked(ty, out),
-        }
+        self.value().to_sql_checked(ty, out)
     }
 }
 

@@ -98,12 +98,12 @@ pub fn postgres_client_config(
     })?;
     let builder = match verify {
         Verify::Full => builder.with_webpki_verifier(webpki),
-        Verify::Authority => builder
+        Verify::Authority | Verify::Nothing => builder
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AnyName(webpki))),
-        Verify::Nothing => builder
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(Unchecked(provider))),
+            .with_custom_certificate_verifier(Arc::new(Lenient {
+                webpki,
+                check_chain: verify == Verify::Authority,
+            })),
     };
     match client {
         None => Ok(builder.with_no_client_auth()),
@@ -136,15 +136,15 @@ fn file_error(
     }
 }
 
-/// `verify-ca`: the chain is checked, the name is not.
+/// `verify-ca`, `prefer` and `require`: the chain is checked but not the name
+/// (`check_chain`), or nothing but the handshake's own signatures.
 #[derive(Debug)]
-struct AnyName(Arc<rustls::client::WebPkiServerVerifier>);
+struct Lenient {
+    webpki: Arc<rustls::client::WebPkiServerVerifier>,
+    check_chain: bool,
+}
 
-/// `prefer` and `require`: nothing is checked but the handshake's own signatures.
-#[derive(Debug)]
-struct Unchecked(Arc<rustls::crypto::CryptoProvider>);
-
-impl ServerCertVerifier for AnyName {
+impl ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -153,10 +153,16 @@ impl ServerCertVerifier for AnyName {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
-        {
+        if !self.check_chain {
+            return Ok(ServerCertVerified::assertion());
+        }
+        match self.webpki.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        ) {
             Err(rustls::Error::InvalidCertificate(
                 rustls::CertificateError::NotValidForName
                 | rustls::CertificateError::NotValidForNameContext { .. },
@@ -171,7 +177,7 @@ impl ServerCertVerifier for AnyName {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        self.webpki.verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -180,55 +186,10 @@ impl ServerCertVerifier for AnyName {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        self.webpki.verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.supported_verify_schemes()
-    }
-}
-
-impl ServerCertVerifier for Unchecked {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
+        self.webpki.supported_verify_schemes()
     }
 }
