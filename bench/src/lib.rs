@@ -76,7 +76,11 @@ pub async fn loyalty_database(
     let admin = sqlx::PgPool::connect(admin_url)
         .await
         .expect("PostgreSQL reachable");
-    let database = database_url.rsplit('/').next().expect("a database name");
+    let database = database_url
+        .rsplit('/')
+        .next()
+        .and_then(|name| name.split('?').next())
+        .expect("a database name");
     let _ = sqlx::query(&format!("CREATE DATABASE \"{database}\""))
         .execute(&admin)
         .await;

@@ -88,6 +88,13 @@ enum Command {
         #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
         config: PathBuf,
     },
+    /// Print the plugin contract this host was built with (the WIT package `idem:plugin`), or
+    /// write it as a WIT package directory for a plugin project (`DIR/world.wit`).
+    Wit {
+        /// Write `world.wit` into this directory (created if missing) instead of printing it.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Run a pipeline's plugin on one message file and print its decision (no broker, no database).
     Try {
         #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
@@ -251,7 +258,22 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             pipeline,
             message,
         } => try_message(&config, &pipeline, &message).await,
+        Command::Wit { out } => write_wit(out.as_deref()),
     }
+}
+
+fn write_wit(out: Option<&Path>) -> anyhow::Result<ExitCode> {
+    let wit = idem_host::plugin::WORLD_WIT;
+    let Some(directory) = out else {
+        print!("{wit}");
+        return Ok(ExitCode::SUCCESS);
+    };
+    std::fs::create_dir_all(directory)
+        .with_context(|| format!("cannot create {}", directory.display()))?;
+    let path = directory.join("world.wit");
+    std::fs::write(&path, wit).with_context(|| format!("cannot write {}", path.display()))?;
+    eprintln!("idem wit: wrote {}", path.display());
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Collects every problem instead of stopping at the first.

@@ -106,3 +106,71 @@ async fn crash_after_commit_before_ack_finds_the_claim() {
 async fn crash_before_commit_applies_once_on_redelivery() {
     crash_then_restart("crash_before_commit", "before-commit", false).await;
 }
+
+/// The backend pid of a session's connection.
+async fn backend_pid(session: &idem_host::session::Session) -> i32 {
+    session
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pg_backend_pid")
+        .get(0)
+}
+
+/// The in-process crash window: a message transaction abandoned mid-way (its deadline
+/// passed, its future dropped) leaves its session inside a transaction. That session is
+/// closed, never handed to the next message: the next one is a new connection outside any
+/// transaction, and the server rolls back what the abandoned one wrote. A session returned
+/// outside a transaction is reused.
+#[tokio::test]
+async fn a_session_abandoned_inside_a_transaction_is_never_reused() {
+    let env = TestEnv::new("session_abandoned").await;
+    sqlx::query("CREATE TABLE abandoned (id int PRIMARY KEY)")
+        .execute(&env.pool)
+        .await
+        .expect("create table");
+    let database = env.open_database().await;
+
+    let session = database.sessions.acquire().await.expect("a session");
+    let first = backend_pid(&session).await;
+    drop(session);
+    let mut session = database.sessions.acquire().await.expect("a session");
+    assert_eq!(
+        backend_pid(&session).await,
+        first,
+        "an idle session is reused"
+    );
+    session
+        .client()
+        .batch_execute("BEGIN; INSERT INTO abandoned VALUES (1)")
+        .await
+        .expect("begin and insert");
+    session.set_in_transaction(true);
+    drop(session);
+
+    let session = database.sessions.acquire().await.expect("a session");
+    let next = backend_pid(&session).await;
+    assert_ne!(next, first, "the abandoned session was handed out again");
+    drop(session);
+    let state: String = sqlx::query_scalar("SELECT state FROM pg_stat_activity WHERE pid = $1")
+        .bind(next)
+        .fetch_one(&env.pool)
+        .await
+        .expect("the next session's state");
+    assert_eq!(state, "idle", "the next session is inside a transaction");
+    let gone = format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {first}");
+    wait_for(
+        "the abandoned connection to close",
+        Duration::from_secs(10),
+        || async { env.count(&gone).await == 0 },
+    )
+    .await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM abandoned").await,
+        0,
+        "the abandoned transaction's row was kept"
+    );
+    database.sessions.close_idle();
+    database.pool.close().await;
+    env.cleanup().await;
+}

@@ -475,3 +475,40 @@ fn chrono_today() -> String {
         .expect("date");
     String::from_utf8_lossy(&output.stdout).trim().to_string()
 }
+
+/// `idem wit` hands out the contract the binary was built with: printed, it is the
+/// repository's `wit/world.wit` byte for byte; with `--out DIR` it is written as a WIT package
+/// directory (`DIR/world.wit`, the directory created), for a plugin project outside the
+/// repository.
+#[test]
+fn wit_prints_and_writes_the_contract_the_host_was_built_with() {
+    let expected =
+        std::fs::read_to_string(std::path::Path::new(idem_e2e::REPO_ROOT).join("wit/world.wit"))
+            .expect("wit/world.wit");
+    assert!(expected.contains("package idem:plugin@"), "{expected}");
+    let printed = Command::new(idem_binary())
+        .arg("wit")
+        .output()
+        .expect("run idem wit");
+    assert!(printed.status.success(), "idem wit failed: {printed:?}");
+    assert_eq!(String::from_utf8_lossy(&printed.stdout), expected);
+
+    let directory = std::env::temp_dir().join(format!("idem-wit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&directory);
+    let out = directory.join("project/wit");
+    let written = Command::new(idem_binary())
+        .arg("wit")
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("run idem wit --out");
+    assert!(
+        written.status.success(),
+        "idem wit --out failed: {written:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.join("world.wit")).expect("world.wit written"),
+        expected
+    );
+    let _ = std::fs::remove_dir_all(&directory);
+}

@@ -2,7 +2,7 @@
 //! certificate for `localhost` and `127.0.0.1`, a client certificate), an amqps endpoint (a
 //! TLS-terminating proxy in front of the local RabbitMQ), and an https listener for axum.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -11,6 +11,7 @@ use rustls::RootCertStore;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
@@ -154,7 +155,20 @@ pub struct Handshake {
     pub client_certificate: bool,
 }
 
-/// A TLS-terminating proxy in front of a plain TCP service (RabbitMQ's 5672), on loopback.
+/// What a client sends before its TLS handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Preamble {
+    /// Nothing: the handshake starts at once (amqps).
+    None,
+    /// PostgreSQL's SSLRequest, answered `S` (the server agrees to TLS).
+    PostgresSslRequest,
+}
+
+/// PostgreSQL's SSLRequest: length 8, code 80877103.
+const SSL_REQUEST: [u8; 8] = [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f];
+
+/// A TLS-terminating proxy in front of a plain TCP service (RabbitMQ's 5672, PostgreSQL's
+/// 5432), on loopback.
 pub struct TlsProxy {
     pub port: u16,
     handshakes: Arc<Mutex<Vec<Handshake>>>,
@@ -162,17 +176,48 @@ pub struct TlsProxy {
 }
 
 impl TlsProxy {
+    /// An amqps endpoint on 127.0.0.1: TLS from the first byte.
     pub async fn start(target: SocketAddr, config: Arc<rustls::ServerConfig>) -> TlsProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        TlsProxy::listen(IpAddr::from([127, 0, 0, 1]), target, config, Preamble::None).await
+    }
+
+    /// A PostgreSQL server with TLS on `address` (a loopback address; `127.0.0.2` is not
+    /// among the test server certificate's names): it answers the client's SSLRequest, then
+    /// terminates TLS and forwards the plain protocol to `target`. A client that does not
+    /// ask for TLS is turned away.
+    pub async fn postgres(
+        address: IpAddr,
+        target: SocketAddr,
+        config: Arc<rustls::ServerConfig>,
+    ) -> TlsProxy {
+        TlsProxy::listen(address, target, config, Preamble::PostgresSslRequest).await
+    }
+
+    async fn listen(
+        address: IpAddr,
+        target: SocketAddr,
+        config: Arc<rustls::ServerConfig>,
+        preamble: Preamble,
+    ) -> TlsProxy {
+        let listener = TcpListener::bind((address, 0)).await.expect("bind proxy");
         let port = listener.local_addr().expect("proxy address").port();
         let acceptor = TlsAcceptor::from(config);
         let handshakes = Arc::new(Mutex::new(Vec::new()));
         let recorded = Arc::clone(&handshakes);
         let task = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
+            while let Ok((mut client, _)) = listener.accept().await {
                 let acceptor = acceptor.clone();
                 let recorded = Arc::clone(&recorded);
                 tokio::spawn(async move {
+                    if preamble == Preamble::PostgresSslRequest
+                        && let Err(error) = answer_ssl_request(&mut client).await
+                    {
+                        recorded.lock().expect("handshakes").push(Handshake {
+                            outcome: Err(error),
+                            client_certificate: false,
+                        });
+                        return;
+                    }
                     let accepted = acceptor.accept(client).await;
                     let handshake = match &accepted {
                         Ok(stream) => describe(stream.get_ref().1),
@@ -207,6 +252,22 @@ impl Drop for TlsProxy {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Reads a PostgreSQL client's first message; when it is an SSLRequest, answers `S`.
+async fn answer_ssl_request(client: &mut TcpStream) -> Result<(), String> {
+    let mut request = [0u8; 8];
+    client
+        .read_exact(&mut request)
+        .await
+        .map_err(|error| format!("no SSLRequest: {error}"))?;
+    if request != SSL_REQUEST {
+        return Err(format!("the client did not ask for TLS: {request:?}"));
+    }
+    client
+        .write_all(b"S")
+        .await
+        .map_err(|error| format!("answering the SSLRequest: {error}"))
 }
 
 fn describe(connection: &rustls::ServerConnection) -> Handshake {

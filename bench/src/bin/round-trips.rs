@@ -3,10 +3,14 @@
 //!
 //! - `idem`: the host's own code, `ledger::apply` on its sessions: BEGIN with the timeouts and
 //!   the claim in one flight, then (the claim being new) both effects and COMMIT in a second;
+//! - `idem, TLS`: the same over TLS (`sslmode=require`), what a server with `ssl = on` gives
+//!   by default (`prefer`): the cost of encryption on loopback;
 //! - `tokio-postgres, one by one`: the same five statements on a bare connection, each
 //!   waiting for the last: five round trips, the cost of the host without pipelining;
 //! - `tokio-postgres, pipelined`: the same two flights on a bare connection, hand-written:
 //!   the floor for two round trips, so the difference to `idem` is the host's own cost.
+//!
+//! All but `idem, TLS` talk plain TCP (`sslmode=disable`), so they compare like with like.
 //!
 //! Run: `cargo run --release -p idem-bench --bin round-trips` (PostgreSQL on 127.0.0.1;
 //! IDEM_BENCH_ADMIN_URL and IDEM_BENCH_DATABASE_URL override where).
@@ -29,6 +33,7 @@ const DIGEST: &str = "sha256:round-trips";
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Way {
     Idem,
+    IdemTls,
     OneByOne,
     Pipelined,
 }
@@ -37,6 +42,7 @@ impl Way {
     fn label(self) -> &'static str {
         match self {
             Way::Idem => "idem, pipelined, 2",
+            Way::IdemTls => "idem, TLS, pipelined, 2",
             Way::OneByOne => "tokio-postgres, one by one, 5",
             Way::Pipelined => "tokio-postgres, pipelined, 2",
         }
@@ -56,9 +62,11 @@ struct Shared {
 async fn main() {
     let admin_url = std::env::var("IDEM_BENCH_ADMIN_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let database_url = std::env::var("IDEM_BENCH_DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idem_bench_round_trips".into());
+    let database_url = std::env::var("IDEM_BENCH_DATABASE_URL").unwrap_or_else(|_| {
+        "postgres://postgres@127.0.0.1:5432/idem_bench_round_trips?sslmode=disable".into()
+    });
     let config = idem_bench::demo_config(&database_url);
+    let tls_config = idem_bench::demo_config(&with_sslmode(&database_url, "require"));
     let pipeline = config.pipelines[0].clone();
     let (pool, catalog) = idem_bench::loyalty_database(&admin_url, &database_url, &pipeline).await;
     let catalog = Arc::new(catalog);
@@ -72,11 +80,16 @@ async fn main() {
     let mut next_first = 1;
     for connections in [1usize, 4] {
         let mut rates = Vec::new();
-        for way in [Way::Idem, Way::OneByOne, Way::Pipelined] {
+        for way in [Way::Idem, Way::IdemTls, Way::OneByOne, Way::Pipelined] {
+            let config = if way == Way::IdemTls {
+                &tls_config
+            } else {
+                &config
+            };
             let shared = Arc::new(Shared {
                 pipeline: pipeline.clone(),
                 catalog: Arc::clone(&catalog),
-                sessions: sessions(&config, connections).await,
+                sessions: sessions(config, connections).await,
                 database_url: database_url.clone(),
                 next_order: AtomicI64::new(next_first),
                 last_order: next_first + ORDERS_PER_RUN - 1,
@@ -125,12 +138,28 @@ async fn main() {
                 .map_or(f64::NAN, |(_, rate)| *rate)
         };
         println!(
-            "  {connections} connection(s): idem / one by one {:.2}, idem / bare pipelined {:.2}, bare pipelined / one by one {:.2}",
+            "  {connections} connection(s): idem / one by one {:.2}, idem / bare pipelined {:.2}, bare pipelined / one by one {:.2}, idem TLS / idem {:.2}",
             rate_of(Way::Idem) / rate_of(Way::OneByOne),
             rate_of(Way::Idem) / rate_of(Way::Pipelined),
             rate_of(Way::Pipelined) / rate_of(Way::OneByOne),
+            rate_of(Way::IdemTls) / rate_of(Way::Idem),
         );
     }
+}
+
+/// `url` with its `sslmode` set to `mode`.
+fn with_sslmode(url: &str, mode: &str) -> String {
+    let mut url = url::Url::parse(url).expect("a database URL");
+    let kept: Vec<(String, String)> = url
+        .query_pairs()
+        .filter(|(key, _)| key != "sslmode")
+        .map(|(key, value)| (key.into_owned(), value.into_owned()))
+        .collect();
+    url.query_pairs_mut()
+        .clear()
+        .extend_pairs(kept)
+        .append_pair("sslmode", mode);
+    url.to_string()
 }
 
 /// The host's sessions, at most `connections` of them.
@@ -153,7 +182,7 @@ async fn sessions(
 async fn run(way: Way, shared: Arc<Shared>) -> Vec<Duration> {
     let mut samples = Vec::new();
     let client = match way {
-        Way::Idem => None,
+        Way::Idem | Way::IdemTls => None,
         Way::OneByOne | Way::Pipelined => Some(Client::connect(&shared).await),
     };
     loop {

@@ -10,6 +10,10 @@ wasmtime::component::bindgen!({
     exports: { default: async },
 });
 
+/// The contract these bindings were generated from, as `wit/world.wit` holds it: what
+/// `idem wit` hands to plugin authors, so a plugin builds against exactly this host's WIT.
+pub const WORLD_WIT: &str = include_str!("../../../wit/world.wit");
+
 pub use idem::plugin::log;
 use idem::plugin::types;
 

@@ -22,6 +22,7 @@ use crate::config::PluginLimits;
 use crate::effect::{Failure, Outcome};
 use crate::message::InboundMessage;
 use bindings::PluginPre;
+pub use bindings::WORLD_WIT;
 use cache::{Compiled, ComponentCache};
 use pool::PoolSize;
 use state::PluginState;
