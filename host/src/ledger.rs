@@ -817,12 +817,11 @@ impl<'f> Flight<'f> {
 
     /// Sends every statement, in order, then waits for every reply.
     async fn send(self) -> Result<Vec<Reply>, LedgerError> {
-        let (labels, replies): (Vec<_>, Vec<_>) = self
+        let (labels, mut replies): (Vec<_>, Vec<_>) = self
             .steps
             .into_iter()
             .map(|step| ((step.label, step.origin), maybe_done(step.reply)))
             .unzip();
-        let mut replies = replies;
         // A statement's request leaves at its reply's first poll: poll each once, in order,
         // so they leave in the flight's order before any reply is awaited.
         futures::future::poll_fn(|context| {

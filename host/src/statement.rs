@@ -280,17 +280,12 @@ impl ToSql for BoundValue {
         self.value().to_sql_checked(ty, out)
     }
 
+    /// Any type: `to_sql` checks the value's own type against it.
     fn accepts(_ty: &Type) -> bool {
         true
     }
 
-    fn to_sql_checked(
-        &self,
-        ty: &Type,
-        out: &mut BytesMut,
-    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
-        self.value().to_sql_checked(ty, out)
-    }
+    tokio_postgres::types::to_sql_checked!();
 }
 
 enum Conversion {

@@ -71,31 +71,24 @@ pub fn postgres_client_config(
             CertificateDer::pem_file_iter(path).map_err(file_error("sslrootcert", path))?
         {
             let certificate = certificate.map_err(file_error("sslrootcert", path))?;
-            roots.add(certificate).map_err(|error| TlsFileError {
-                what: "sslrootcert",
-                path: path.to_path_buf(),
-                reason: error.to_string(),
-            })?;
+            roots
+                .add(certificate)
+                .map_err(file_error("sslrootcert", path))?;
         }
     }
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let builder = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
-        .map_err(|error| TlsFileError {
-            what: "the TLS provider",
-            path: PathBuf::new(),
-            reason: error.to_string(),
-        })?;
+        .map_err(file_error("the TLS provider", Path::new("")))?;
     let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
         Arc::new(roots),
         Arc::clone(&provider),
     )
     .build()
-    .map_err(|error| TlsFileError {
-        what: "sslrootcert",
-        path: root_cert.map(Path::to_path_buf).unwrap_or_default(),
-        reason: error.to_string(),
-    })?;
+    .map_err(file_error(
+        "sslrootcert",
+        root_cert.unwrap_or(Path::new("")),
+    ))?;
     let builder = match verify {
         Verify::Full => builder.with_webpki_verifier(webpki),
         Verify::Authority | Verify::Nothing => builder
@@ -115,19 +108,16 @@ pub fn postgres_client_config(
             let key_der = PrivateKeyDer::from_pem_file(key).map_err(file_error("sslkey", key))?;
             builder
                 .with_client_auth_cert(chain, key_der)
-                .map_err(|error| TlsFileError {
-                    what: "sslcert and sslkey",
-                    path: cert.to_path_buf(),
-                    reason: error.to_string(),
-                })
+                .map_err(file_error("sslcert and sslkey", cert))
         }
     }
 }
 
-fn file_error(
+/// A `TlsFileError` for `what` at `path`, from whatever the reading or the check said.
+fn file_error<E: std::fmt::Display>(
     what: &'static str,
     path: &Path,
-) -> impl Fn(rustls::pki_types::pem::Error) -> TlsFileError + use<> {
+) -> impl Fn(E) -> TlsFileError + use<E> {
     let path = path.to_path_buf();
     move |error| TlsFileError {
         what,

@@ -15,11 +15,7 @@ use idem_e2e::{TestEnv, amqp_url, idem_binary, must_refuse, order, wait_for};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_host_talks_tls_to_postgres_with_sslmode_require() {
     let env = TestEnv::new("tls_require").await;
-    let tls_url = format!("{}?sslmode=require", env.database_url);
-    let text = env.config_text("loyalty", "").replace(
-        &format!("\"{}\"", env.database_url),
-        &format!("\"{tls_url}\""),
-    );
+    let text = with_database_url(&env, &format!("{}?sslmode=require", env.database_url));
     assert!(text.contains("sslmode=require"));
     let config =
         idem_host::config::Config::from_toml(Path::new("/tmp/tls.toml"), &text).expect("config");
@@ -69,12 +65,7 @@ async fn an_untrusted_server_certificate_stops_the_host() {
         ca.display()
     );
     let config = directory.join("pipelines.toml");
-    std::fs::write(
-        &config,
-        env.config_text("loyalty", "")
-            .replace(&format!("\"{}\"", env.database_url), &format!("\"{url}\"")),
-    )
-    .expect("write config");
+    std::fs::write(&config, with_database_url(&env, &url)).expect("write config");
     for command in ["run", "check"] {
         let output = must_refuse(command, &config);
         assert!(output.contains("sslrootcert"), "idem {command}: {output}");
@@ -184,20 +175,7 @@ async fn the_host_consumes_over_amqps_with_mutual_tls() {
     host.stop().await.expect("host stops cleanly");
     env.assert_loyalty_consistent().await;
     let handshakes = proxy.handshakes();
-    assert!(
-        !handshakes.is_empty(),
-        "nothing connected through the TLS endpoint"
-    );
-    for handshake in &handshakes {
-        assert!(
-            handshake.outcome.is_ok(),
-            "a handshake failed: {handshake:?}"
-        );
-        assert!(
-            handshake.client_certificate,
-            "no client certificate: {handshake:?}"
-        );
-    }
+    tls::assert_every_handshake_presented_a_certificate(&handshakes);
     eprintln!("amqps: negotiated {:?}", handshakes[0].outcome);
     let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;
@@ -306,12 +284,7 @@ async fn postgres_tls_verifies_the_server_and_presents_a_client_certificate() {
         handshakes.len() >= 2,
         "expected the pool and the sessions to connect through TLS: {handshakes:?}"
     );
-    for handshake in &handshakes {
-        assert!(
-            handshake.outcome.is_ok() && handshake.client_certificate,
-            "a connection did not verify or present its certificate: {handshake:?}"
-        );
-    }
+    tls::assert_every_handshake_presented_a_certificate(&handshakes);
 
     for (case, url) in [
         (

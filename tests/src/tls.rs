@@ -254,6 +254,25 @@ impl Drop for TlsProxy {
     }
 }
 
+/// Asserts that something connected, and that every handshake succeeded with a client
+/// certificate (mutual TLS).
+pub fn assert_every_handshake_presented_a_certificate(handshakes: &[Handshake]) {
+    assert!(
+        !handshakes.is_empty(),
+        "nothing connected through the TLS endpoint"
+    );
+    for handshake in handshakes {
+        assert!(
+            handshake.outcome.is_ok(),
+            "a handshake failed: {handshake:?}"
+        );
+        assert!(
+            handshake.client_certificate,
+            "no client certificate: {handshake:?}"
+        );
+    }
+}
+
 /// Reads a PostgreSQL client's first message; when it is an SSLRequest, answers `S`.
 async fn answer_ssl_request(client: &mut TcpStream) -> Result<(), String> {
     let mut request = [0u8; 8];
