@@ -1,4 +1,4 @@
 //! `sqlx::migrate!` embeds `migrations/` at compile time; rebuild when a migration is added.
 fn main() {
-    println!("cargo:rerun-if-changed=../migrations");
+    println!("cargo:rerun-if-changed=migrations");
 }

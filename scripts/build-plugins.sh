@@ -45,11 +45,11 @@ done
 
 # --- Python ---------------------------------------------------------------------------------
 python_dir="$root/plugins/loyalty-py"
-if up_to_date "$dist/loyalty-py.wasm" "$python_dir/app.py" "$root/wit"; then
+if up_to_date "$dist/loyalty-py.wasm" "$python_dir/app.py" "$root/plugins/idem-py/idem.py" "$root/wit"; then
   :
 elif command -v componentize-py >/dev/null; then
   componentize-py -d "$root/wit" -w plugin componentize --stub-wasi \
-    -p "$python_dir" app -o "$dist/loyalty-py.wasm.build" >/dev/null
+    -p "$python_dir" -p "$root/plugins/idem-py" app -o "$dist/loyalty-py.wasm.build" >/dev/null
   mv -f "$dist/loyalty-py.wasm.build" "$dist/loyalty-py.wasm"
 else
   missing "plugins/loyalty-py" "pip install componentize-py==0.25.1"
@@ -57,7 +57,7 @@ fi
 
 # --- JavaScript -----------------------------------------------------------------------------
 js_dir="$root/plugins/loyalty-js"
-if up_to_date "$dist/loyalty-js.wasm" "$js_dir/loyalty.js" "$js_dir/build.mjs" "$root/wit"; then
+if up_to_date "$dist/loyalty-js.wasm" "$js_dir/loyalty.js" "$js_dir/build.mjs" "$root/plugins/idem-js/idem.js" "$root/wit"; then
   :
 elif command -v node >/dev/null && [ -d "$js_dir/node_modules/@bytecodealliance/componentize-js" ]; then
   node "$js_dir/build.mjs" "$dist/loyalty-js.wasm.build" >/dev/null

@@ -15,6 +15,8 @@ fn main() {
         "scripts/build-plugins.sh",
         "plugins/Cargo.toml",
         "plugins/loyalty-py/app.py",
+        "plugins/idem-py/idem.py",
+        "plugins/idem-js/idem.js",
         "plugins/loyalty-js/loyalty.js",
         "plugins/loyalty-js/build.mjs",
         "plugins/loyalty-js/package-lock.json",

@@ -10,6 +10,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer};
 use toml::Spanned;
 
@@ -32,7 +33,7 @@ pub struct Config {
 
 /// The `[plugin_pool]` table: wasmtime's pooling allocator keeps instance slots (memories,
 /// tables, stacks) mapped, so a message's fresh instance costs no mmap or munmap.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PluginPoolConfig {
     /// Default true; false allocates each instance on demand.
@@ -53,7 +54,7 @@ impl Default for PluginPoolConfig {
 }
 
 /// The `[database]` table.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DatabaseConfig {
     /// A `postgres://` URL.
@@ -66,11 +67,13 @@ pub struct DatabaseConfig {
     /// (`idle_in_transaction_session_timeout`), releasing its claim locks: a host that died or
     /// lost its connection mid-transaction cannot hold a key. Default 20 s.
     #[serde(default = "default_idle_in_transaction", deserialize_with = "duration")]
+    #[schemars(schema_with = "duration_schema")]
     pub idle_in_transaction_timeout: Duration,
     /// The server probes a silent client connection after this long (TCP keepalive, then
     /// `tcp_user_timeout` for unacknowledged data), so a vanished host's session ends.
     /// Default 30 s.
     #[serde(default = "default_keepalive", deserialize_with = "duration")]
+    #[schemars(schema_with = "duration_schema")]
     pub keepalive: Duration,
     /// TLS settings; each one set here overrides the URL's `sslmode`, `sslrootcert`,
     /// `sslcert` or `sslkey` (which are honoured as libpq does).
@@ -79,7 +82,7 @@ pub struct DatabaseConfig {
 }
 
 /// The `[database.tls]` table. Relative paths resolve against the config file's directory.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DatabaseTls {
     /// As libpq's `sslmode`: disable | allow | prefer (the default) | require | verify-ca |
@@ -98,7 +101,7 @@ pub struct DatabaseTls {
 }
 
 /// libpq's `sslmode` values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum SslMode {
     Disable,
@@ -110,7 +113,7 @@ pub enum SslMode {
 }
 
 /// The `[amqp]` table.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AmqpConfig {
     /// An `amqp://` or `amqps://` (TLS) URL, vhost included (`%2f` for `/`).
@@ -123,7 +126,7 @@ pub struct AmqpConfig {
 
 /// The `[amqp.tls]` table. Relative paths resolve against the config file's directory.
 /// The broker's certificate must always name the URL's host.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AmqpTls {
     /// PEM file of the certificate authorities that may sign the broker's certificate, trusted
@@ -139,11 +142,12 @@ pub struct AmqpTls {
 }
 
 /// The `[http]` table.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct HttpConfig {
     /// Address to listen on; loopback by default.
     #[serde(default = "default_listen")]
+    #[schemars(with = "String")]
     pub listen: std::net::SocketAddr,
     /// Bearer token required on `/admin/…`; mandatory when `listen` is not a loopback address.
     #[serde(default, deserialize_with = "interpolated_option")]
@@ -187,6 +191,9 @@ pub struct PipelineConfig {
     /// A message body file every new plugin build must handle (decision or skip, effects
     /// that fit their statements) before it may serve.
     pub self_test: Option<PathBuf>,
+    /// A case file (`idem test`'s format) every new plugin build must pass before it may
+    /// serve, and `idem check` runs.
+    pub cases: Option<PathBuf>,
     /// Reload the plugin when its file changes.
     pub watch: bool,
     /// Named SQL statements, by name.
@@ -194,7 +201,7 @@ pub struct PipelineConfig {
 }
 
 /// A RabbitMQ queue type.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum QueueType {
     /// A single-node queue (RabbitMQ's default).
@@ -214,7 +221,7 @@ impl QueueType {
 }
 
 /// One `queue_arguments` value, as TOML writes it.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(untagged)]
 pub enum QueueArgument {
     Integer(i64),
@@ -223,7 +230,7 @@ pub enum QueueArgument {
 }
 
 /// How a message is recognised as already applied.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ClaimMode {
     /// A row in `processed_messages` keyed by `(consumer, key)`, inserted in the effects' transaction.
@@ -248,7 +255,7 @@ impl ClaimMode {
 
 /// The `[pipelines.<name>.batch]` table: several messages per transaction, each in its own
 /// savepoint, so one commit (one WAL flush) serves them all.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BatchConfig {
     /// Messages per transaction at most (default 64); 1 turns batching off.
@@ -257,6 +264,7 @@ pub struct BatchConfig {
     /// How long a worker waits for more messages after the first before it applies a
     /// partial batch (default 0: only what the broker already delivered).
     #[serde(default = "default_linger", deserialize_with = "duration")]
+    #[schemars(schema_with = "duration_schema")]
     pub linger: Duration,
 }
 
@@ -270,7 +278,7 @@ impl Default for BatchConfig {
 }
 
 /// The `[pipelines.<name>.transaction]` table.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TransactionConfig {
     #[serde(default)]
@@ -285,15 +293,18 @@ pub struct TransactionConfig {
     /// The server cancels any one statement of the transaction after this long
     /// (`SET LOCAL statement_timeout`; 57014, retried). Default 10 s; `0s` turns it off.
     #[serde(default = "default_statement_timeout", deserialize_with = "duration")]
+    #[schemars(schema_with = "duration_schema")]
     pub statement_timeout: Duration,
     /// The server gives up waiting for a lock after this long (`SET LOCAL lock_timeout`;
     /// 55P03, retried). Default 5 s; `0s` turns it off.
     #[serde(default = "default_lock_timeout", deserialize_with = "duration")]
+    #[schemars(schema_with = "duration_schema")]
     pub lock_timeout: Duration,
     /// The host's deadline for the whole transaction, from taking a connection to `COMMIT`'s
     /// answer. Past it the connection is abandoned (closed, never reused) and the transaction
     /// retried on a new one: this is what notices a half-open connection. Default 20 s.
     #[serde(default = "default_transaction_timeout", deserialize_with = "duration")]
+    #[schemars(schema_with = "duration_schema")]
     pub timeout: Duration,
 }
 
@@ -324,7 +335,7 @@ impl TransactionConfig {
 }
 
 /// Transaction isolation level.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Isolation {
     #[default]
@@ -345,7 +356,7 @@ impl Isolation {
 }
 
 /// The `[outbox]` table: where `outbox` effects may go, and how the relay delivers them.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OutboxConfig {
     /// Destinations by name; a plugin's `outbox` effect names one.
@@ -355,6 +366,7 @@ pub struct OutboxConfig {
     pub relay: bool,
     /// How often the relay looks for rows other hosts wrote.
     #[serde(default = "default_poll", deserialize_with = "duration")]
+    #[schemars(schema_with = "duration_schema")]
     pub poll: Duration,
     /// Rows delivered per relay transaction.
     #[serde(default = "default_outbox_batch")]
@@ -364,11 +376,12 @@ pub struct OutboxConfig {
     pub max_attempts: NonZeroU32,
     /// Delivered rows older than this are deleted.
     #[serde(default = "default_outbox_retention", deserialize_with = "duration")]
+    #[schemars(schema_with = "duration_schema")]
     pub retention: Duration,
 }
 
 /// One `[outbox.destinations.<name>]` table.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
 pub enum Destination {
     /// `POST` the payload to `url` with an `Idempotency-Key` header; any 2xx confirms.
@@ -376,6 +389,7 @@ pub enum Destination {
         #[serde(deserialize_with = "interpolated")]
         url: String,
         #[serde(default = "default_http_timeout", deserialize_with = "duration")]
+        #[schemars(schema_with = "duration_schema")]
         timeout: Duration,
         /// For an `https://` url: PEM file of the only certificate authorities trusted to
         /// sign the endpoint's certificate (default: the system's roots).
@@ -392,21 +406,24 @@ pub enum Destination {
 }
 
 /// The `[pipelines.<name>.retention]` table: how long claims are kept (the guide's Step 5).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RetentionConfig {
     /// Claims older than this are deleted: the longest redelivery or replay you accept
     /// (`30d` by default). A replay older than the window would apply again.
     #[serde(default = "default_window", deserialize_with = "duration")]
+    #[schemars(schema_with = "duration_schema")]
     pub window: Duration,
     /// Rows deleted per statement; small batches keep locks and WAL bursts short.
     #[serde(default = "default_batch_size")]
     pub batch_size: NonZeroU32,
     /// Pause between batches.
     #[serde(default = "default_pause", deserialize_with = "duration")]
+    #[schemars(schema_with = "duration_schema")]
     pub pause: Duration,
     /// How often `idem run` cleans (`0s` turns the background cleaning off; `idem cleanup` still works).
     #[serde(default = "default_every", deserialize_with = "duration")]
+    #[schemars(schema_with = "duration_schema")]
     pub every: Duration,
 }
 
@@ -422,7 +439,7 @@ impl Default for RetentionConfig {
 }
 
 /// What one plugin call may consume before its message is rejected.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PluginLimits {
     /// Wall-clock budget of one call, instantiation included, in milliseconds.
@@ -633,6 +650,7 @@ impl Config {
                 limits: raw.limits,
                 retention: raw.retention,
                 self_test: raw.self_test.map(|self_test| base_dir.join(self_test)),
+                cases: raw.cases.map(|cases| base_dir.join(cases)),
                 watch: raw.watch,
                 statements: raw
                     .statements
@@ -736,56 +754,130 @@ impl Default for PluginLimits {
     }
 }
 
-/// The file as written, before defaults that depend on other keys are filled in.
-#[derive(Deserialize)]
+/// The file as written, before defaults that depend on other keys are filled in. Its doc
+/// comments are the descriptions `idem schema` gives editors.
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(
+    title = "pipelines.toml",
+    description = "The idem host's configuration: where the database and the broker are, and one [pipelines.<name>] table per consumed queue. Strings may use ${VAR} and ${VAR:-default}."
+)]
 struct PipelinesFile {
+    /// PostgreSQL: the claims, the effects and the outbox live there.
     database: DatabaseConfig,
+    /// RabbitMQ.
+    #[schemars(with = "AmqpConfig")]
     amqp: Spanned<AmqpConfig>,
+    /// The HTTP endpoint (`/metrics`, `/healthz`, `/readyz`, `/admin/…`); off when absent.
+    #[schemars(with = "Option<HttpConfig>")]
     http: Option<Spanned<HttpConfig>>,
+    /// One table per pipeline: a queue, a plugin and the statements it may use.
     #[serde(default)]
     pipelines: BTreeMap<String, RawPipeline>,
+    /// The transactional outbox: destinations, and the relay that delivers after commit.
+    #[schemars(with = "Option<OutboxConfig>")]
     outbox: Option<Spanned<OutboxConfig>>,
+    /// wasmtime's pooling allocator for plugin instances.
     plugin_pool: Option<PluginPoolConfig>,
 }
 
-#[derive(Deserialize)]
+/// One `[pipelines.<name>]` table as written.
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct RawPipeline {
+    /// The RabbitMQ queue this pipeline consumes.
     #[serde(deserialize_with = "interpolated_spanned")]
+    #[schemars(with = "String")]
     queue: Spanned<String>,
+    /// The consumer name written in claims (default: the pipeline's name); several
+    /// pipelines may share one.
     consumer: Option<String>,
+    /// The plugin component (`.wasm`), relative to this file's directory.
     #[serde(deserialize_with = "interpolated_path")]
     plugin: PathBuf,
+    /// How a message is recognised as already applied (default `ledger`).
     #[serde(default = "default_claim")]
+    #[schemars(with = "ClaimMode")]
     claim: Spanned<ClaimMode>,
+    /// With `claim = "natural"`: the statement whose rows affected decide (0: a duplicate).
+    #[schemars(with = "Option<String>")]
     claim_statement: Option<Spanned<String>>,
+    /// Isolation, retries, role and timeouts of the message's transaction.
     #[serde(default)]
     transaction: TransactionConfig,
+    /// Unacked deliveries the broker may send ahead (default 64).
     #[serde(default = "default_prefetch")]
     prefetch: NonZeroU16,
+    /// Concurrent workers, each running one transaction at a time (default 4).
     #[serde(default = "default_workers")]
     workers: NonZeroUsize,
+    /// Several messages per transaction.
     #[serde(default)]
     batch: BatchConfig,
+    /// Where rejected messages go (default `<queue>.dead-letter`).
     #[serde(default, deserialize_with = "interpolated_option")]
     dead_letter_queue: Option<String>,
+    /// The queue's type when idem declares it (default `classic`).
     #[serde(default)]
     queue_type: QueueType,
+    /// Extra `x-…` arguments the queue is declared with (`x-delivery-limit`, `x-max-length`…).
+    #[schemars(with = "Option<BTreeMap<String, QueueArgument>>")]
     queue_arguments: Option<Spanned<BTreeMap<String, QueueArgument>>>,
+    /// `false`: the queue belongs to your infrastructure code; idem checks it exists and
+    /// never declares or changes it (default `true`).
     #[serde(default = "default_declare")]
     declare: bool,
+    /// Tries of a message whose plugin failure is `retryable` (default 5).
     #[serde(default = "default_max_attempts")]
     max_attempts: NonZeroU32,
+    /// What one plugin call may consume.
     #[serde(default)]
     limits: PluginLimits,
+    /// How long claims are kept.
     #[serde(default)]
     retention: RetentionConfig,
+    /// A message body file every new plugin build must handle (decide or skip, with effects
+    /// that fit their statements) before it serves.
     #[serde(default, deserialize_with = "interpolated_option")]
     self_test: Option<String>,
+    /// A case file (`idem test`'s format) every new plugin build must pass before it serves;
+    /// `idem check` runs it too.
+    #[serde(default, deserialize_with = "interpolated_option")]
+    cases: Option<String>,
+    /// Hot-swap the plugin when its file changes (default `true`).
     #[serde(default = "default_watch")]
     watch: bool,
+    /// The only SQL the plugin's effects can run: name = SQL with `$1`, `$2`, … parameters.
+    #[schemars(with = "BTreeMap<String, String>")]
     statements: Spanned<BTreeMap<String, Spanned<String>>>,
+}
+
+/// The JSON Schema of `pipelines.toml` (`idem schema`), for editors: every table and key with
+/// its type and description. Defaults are stated in the descriptions (the generated ones
+/// would show durations in their Rust form).
+pub fn json_schema() -> serde_json::Value {
+    fn strip_defaults(value: &mut serde_json::Value) {
+        match value {
+            serde_json::Value::Object(object) => {
+                object.remove("default");
+                object.values_mut().for_each(strip_defaults);
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(strip_defaults),
+            _ => {}
+        }
+    }
+    let mut schema = schemars::schema_for!(PipelinesFile).to_value();
+    strip_defaults(&mut schema);
+    schema
+}
+
+/// A duration as `pipelines.toml` writes it.
+fn duration_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "pattern": "^\\s*[0-9]+(ms|s|m|h|d)\\s*$",
+        "examples": ["250ms", "30s", "5m", "12h", "30d"]
+    })
 }
 
 fn default_listen() -> std::net::SocketAddr {
@@ -1313,5 +1405,58 @@ credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
             outbox.destinations.get("hook"),
             Some(Destination::Http { ca_file: Some(path), .. }) if path == Path::new("/etc/idem/ca.pem")
         ));
+    }
+
+    #[test]
+    fn the_schema_names_every_table_and_pipeline_key() {
+        let schema = json_schema();
+        let properties = |value: &serde_json::Value| -> Vec<String> {
+            value["properties"]
+                .as_object()
+                .map(|object| object.keys().cloned().collect())
+                .unwrap_or_default()
+        };
+        let top = properties(&schema);
+        for table in [
+            "database",
+            "amqp",
+            "http",
+            "pipelines",
+            "outbox",
+            "plugin_pool",
+        ] {
+            assert!(
+                top.contains(&table.to_string()),
+                "{table} missing from {top:?}"
+            );
+        }
+        assert_eq!(schema["additionalProperties"], false);
+        let pipeline = &schema["$defs"]["RawPipeline"];
+        let keys = properties(pipeline);
+        for key in [
+            "queue",
+            "plugin",
+            "claim",
+            "statements",
+            "cases",
+            "self_test",
+            "limits",
+        ] {
+            assert!(
+                keys.contains(&key.to_string()),
+                "{key} missing from {keys:?}"
+            );
+        }
+        assert_eq!(pipeline["additionalProperties"], false);
+        assert_eq!(
+            pipeline["required"],
+            serde_json::json!(["queue", "plugin", "statements"])
+        );
+        let window = &schema["$defs"]["RetentionConfig"]["properties"]["window"];
+        assert_eq!(window["type"], "string", "{window}");
+        assert!(
+            !schema.to_string().contains("\"default\""),
+            "defaults are described, not generated"
+        );
     }
 }

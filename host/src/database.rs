@@ -16,7 +16,7 @@ use crate::session::{SessionError, SessionPool};
 use crate::tls::Verify;
 
 /// The host's own tables (`processed_messages`), embedded at build time.
-pub static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
+pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatabaseError {

@@ -21,11 +21,13 @@
 //! - [`retention`], [`partition`]: batched deletion of old claims, or daily partitions dropped whole.
 //! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`, `/admin/…`.
 //! - [`database`]: opens the sessions and the bookkeeping pool (sqlx); migrations, schema check.
+//! - [`cases`]: plugin test cases (`idem test`) and the JSON form of an outcome (`idem try`).
 //! - [`effect`], [`message`]: the data passed between them.
 //! - [`backoff`], [`failpoint`]: retry timing, and crash points for tests.
 
 pub mod amqp;
 pub mod backoff;
+pub mod cases;
 pub mod config;
 pub mod consumer;
 pub mod database;

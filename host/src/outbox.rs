@@ -531,6 +531,60 @@ pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
     })
 }
 
+/// An undelivered outbox row, for `idem outbox list`.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Undelivered {
+    pub id: i64,
+    pub consumer: String,
+    pub destination: String,
+    pub idempotency_key: String,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    /// Seconds since the row was written.
+    pub age_seconds: f64,
+    pub parked: bool,
+}
+
+/// Undelivered rows, oldest first: parked ones only when `parked_only`.
+pub async fn undelivered(
+    pool: &PgPool,
+    parked_only: bool,
+    limit: i64,
+) -> Result<Vec<Undelivered>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, consumer, destination, idempotency_key, attempts, last_error, \
+                extract(epoch FROM now() - created_at)::float8 AS age_seconds, \
+                parked_at IS NOT NULL AS parked \
+         FROM idem_outbox \
+         WHERE delivered_at IS NULL AND (parked_at IS NOT NULL OR NOT $1) \
+         ORDER BY id LIMIT $2",
+    )
+    .bind(parked_only)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
+/// Unparks the parked rows of `destination` (all when `None`), or only row `id`: they are
+/// pending again with a full set of attempts, and a running relay delivers them on its next
+/// pass. Returns the ids unparked.
+pub async fn retry_parked(
+    pool: &PgPool,
+    destination: Option<&str>,
+    id: Option<i64>,
+) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query_scalar(
+        "UPDATE idem_outbox SET parked_at = NULL, attempts = 0, next_attempt_at = now() \
+         WHERE parked_at IS NOT NULL AND delivered_at IS NULL \
+           AND ($1::text IS NULL OR destination = $1) AND ($2::int8 IS NULL OR id = $2) \
+         RETURNING id",
+    )
+    .bind(destination)
+    .bind(id)
+    .fetch_all(pool)
+    .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

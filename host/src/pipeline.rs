@@ -9,10 +9,10 @@ use arc_swap::ArcSwap;
 use sqlx::PgPool;
 use tracing::{debug, error, info};
 
+use crate::cases;
 use crate::config::{ClaimMode, Isolation, PipelineConfig};
 use crate::database::Database;
 use crate::effect::Outcome;
-use crate::ledger::Plan;
 use crate::message::InboundMessage;
 use crate::metrics::Metrics;
 use crate::outbox::RelayWaker;
@@ -223,41 +223,70 @@ impl Pipeline {
     }
 }
 
-/// Runs `plugin` on the pipeline's self-test message, if it has one: the plugin must decide or
-/// skip, and every effect must fit its statement.
+/// Runs `plugin` on the pipeline's self-test message and case file, if it has them: on the
+/// message the plugin must decide or skip, every case must pass, and every effect must fit
+/// its statement.
 pub async fn self_test(
     runtime: &PluginRuntime,
     config: &PipelineConfig,
     statements: &StatementCatalog,
     plugin: &LoadedPlugin,
 ) -> Result<(), PipelineError> {
-    let Some(path) = &config.self_test else {
-        return Ok(());
-    };
-    let refuse = |reason: String| PipelineError::SelfTest {
+    let refuse = |path: &std::path::Path, reason: String| PipelineError::SelfTest {
         pipeline: config.name.clone(),
         digest: plugin.digest.clone(),
-        path: path.clone(),
+        path: path.to_path_buf(),
         reason,
     };
-    let body = tokio::fs::read(path)
-        .await
-        .map_err(|error| refuse(format!("cannot read the message: {error}")))?;
-    let message = InboundMessage {
-        pipeline: config.name.clone(),
-        body,
-        routing_key: config.queue.clone(),
-        ..InboundMessage::default()
-    };
-    match runtime.invoke(plugin, &config.limits, &message).await {
-        Ok(Outcome::Skip { .. }) => Ok(()),
-        Ok(Outcome::Decision(decision)) => {
-            Plan::build(config, statements, &decision, &plugin.digest, false)
-                .map_err(|error| refuse(error.to_string()))?;
-            Ok(())
+    if let Some(path) = &config.self_test {
+        let body = tokio::fs::read(path)
+            .await
+            .map_err(|error| refuse(path, format!("cannot read the message: {error}")))?;
+        let message = InboundMessage {
+            pipeline: config.name.clone(),
+            body,
+            routing_key: config.queue.clone(),
+            ..InboundMessage::default()
+        };
+        match runtime.invoke(plugin, &config.limits, &message).await {
+            Ok(Outcome::Skip { .. }) => {}
+            Ok(Outcome::Decision(decision)) => {
+                cases::fit(config, statements, &decision)
+                    .map_err(|error| refuse(path, error.to_string()))?;
+            }
+            Err(error) => return Err(refuse(path, error.to_string())),
         }
-        Err(error) => Err(refuse(error.to_string())),
     }
+    if let Some(path) = &config.cases {
+        let cases = cases::load(path).map_err(|error| refuse(path, error.to_string()))?;
+        let trial = cases::Trial {
+            runtime,
+            plugin,
+            limits: &config.limits,
+            pipeline: &config.name,
+            routing_key: &config.queue,
+            fit: Some((config, statements)),
+        };
+        let mut failures = Vec::new();
+        for case in &cases {
+            let differences = trial.differences(case).await;
+            if !differences.is_empty() {
+                failures.push(format!("case {:?}: {}", case.name, differences.join("; ")));
+            }
+        }
+        if !failures.is_empty() {
+            return Err(refuse(
+                path,
+                format!(
+                    "{} of {} case(s) failed: {}",
+                    failures.len(),
+                    cases.len(),
+                    failures.join(" | ")
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The host's login role must be able to `SET ROLE` to `role`.

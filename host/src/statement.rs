@@ -24,7 +24,33 @@ pub struct StatementCatalog {
 #[derive(Debug)]
 struct PreparedStatement {
     sql: String,
-    params: Vec<ParamType>,
+    params: Params,
+}
+
+/// What is known of a statement's parameters.
+#[derive(Debug)]
+enum Params {
+    /// The types the server inferred when the statement was prepared.
+    Declared(Vec<ParamType>),
+    /// Only their count, read from the SQL text (no database at hand): each value is checked
+    /// as its own natural type (integer as int8, text as text, …).
+    Counted(usize),
+}
+
+impl Params {
+    fn len(&self) -> usize {
+        match self {
+            Params::Declared(types) => types.len(),
+            Params::Counted(count) => *count,
+        }
+    }
+
+    fn type_at(&self, position: usize, value: &Value) -> ParamType {
+        match self {
+            Params::Declared(types) => types[position],
+            Params::Counted(_) => ParamType::natural(value),
+        }
+    }
 }
 
 /// An effect checked against its statement, ready to bind.
@@ -139,7 +165,7 @@ impl StatementCatalog {
                 Ok(params) => {
                     let prepared = PreparedStatement {
                         sql: sql.clone(),
-                        params,
+                        params: Params::Declared(params),
                     };
                     statements.insert(name.clone(), prepared);
                 }
@@ -153,6 +179,35 @@ impl StatementCatalog {
             pipeline: pipeline.name.clone(),
             statements,
         })
+    }
+
+    /// The statements of `pipeline` as its config declares them, without a database: names
+    /// and parameter counts are checked, each value's type only against itself (`idem try`,
+    /// `idem test` and `idem check --offline` when PostgreSQL is out of reach).
+    pub fn from_config(pipeline: &PipelineConfig) -> StatementCatalog {
+        let statements = pipeline
+            .statements
+            .iter()
+            .map(|(name, sql)| {
+                let prepared = PreparedStatement {
+                    sql: sql.clone(),
+                    params: Params::Counted(placeholder_count(sql)),
+                };
+                (name.clone(), prepared)
+            })
+            .collect();
+        StatementCatalog {
+            pipeline: pipeline.name.clone(),
+            statements,
+        }
+    }
+
+    /// Whether parameter types were checked against the server (false for
+    /// [`StatementCatalog::from_config`]).
+    pub fn types_known(&self) -> bool {
+        self.statements
+            .values()
+            .all(|statement| matches!(statement.params, Params::Declared(_)))
     }
 
     /// Checks a call of `statement` with `params` against the statement and converts its
@@ -178,12 +233,11 @@ impl StatementCatalog {
                 given: params.len(),
             });
         }
-        let values = prepared
-            .params
+        let values = params
             .iter()
-            .zip(params)
             .enumerate()
-            .map(|(position, (param_type, value))| {
+            .map(|(position, value)| {
+                let param_type = prepared.params.type_at(position, value);
                 param_type.convert(value).map_err(|problem| match problem {
                     Conversion::WrongType => EffectError::ParamType {
                         statement: name.clone(),
@@ -293,7 +347,70 @@ enum Conversion {
     BadValue(String),
 }
 
+/// How many parameters Postgres will see in `sql`: the highest `$n` outside string
+/// literals, quoted identifiers, dollar-quoted bodies and comments.
+pub fn placeholder_count(sql: &str) -> usize {
+    let bytes = sql.as_bytes();
+    let mut highest = 0;
+    let mut index = 0;
+    let skip_to = |from: usize, end: &[u8]| {
+        bytes[from..]
+            .windows(end.len())
+            .position(|window| window == end)
+            .map_or(bytes.len(), |offset| from + offset + end.len())
+    };
+    while index < bytes.len() {
+        index = match bytes[index] {
+            b'\'' => skip_to(index + 1, b"'"),
+            b'"' => skip_to(index + 1, b"\""),
+            b'-' if bytes.get(index + 1) == Some(&b'-') => skip_to(index + 2, b"\n"),
+            b'/' if bytes.get(index + 1) == Some(&b'*') => skip_to(index + 2, b"*/"),
+            b'$' => {
+                let digits = bytes[index + 1..]
+                    .iter()
+                    .take_while(|byte| byte.is_ascii_digit())
+                    .count();
+                if digits > 0 {
+                    let number = &sql[index + 1..index + 1 + digits];
+                    highest = highest.max(number.parse().unwrap_or(usize::MAX));
+                    index + 1 + digits
+                } else {
+                    // A dollar quote `$tag$ … $tag$` (tag: letters, digits, underscores).
+                    let tag_length = bytes[index + 1..]
+                        .iter()
+                        .take_while(|byte| byte.is_ascii_alphanumeric() || **byte == b'_')
+                        .count();
+                    let close = index + 1 + tag_length;
+                    let after_identifier = index > 0
+                        && (bytes[index - 1].is_ascii_alphanumeric() || bytes[index - 1] == b'_');
+                    if bytes.get(close) == Some(&b'$') && !after_identifier {
+                        let tag = &bytes[index..=close];
+                        skip_to(close + 1, tag)
+                    } else {
+                        index + 1
+                    }
+                }
+            }
+            _ => index + 1,
+        };
+    }
+    highest
+}
+
 impl ParamType {
+    /// The type a value binds as when the server's is not known.
+    fn natural(value: &Value) -> ParamType {
+        match value {
+            Value::Null | Value::Text(_) => ParamType::Text,
+            Value::Boolean(_) => ParamType::Bool,
+            Value::Integer(_) => ParamType::Int8,
+            Value::Float(_) => ParamType::Float8,
+            Value::Json(_) => ParamType::Jsonb,
+            Value::Bytes(_) => ParamType::Bytea,
+            Value::Timestamp(_) => ParamType::Timestamptz,
+        }
+    }
+
     fn of(type_info: &PgTypeInfo) -> Option<ParamType> {
         Some(match type_info.name() {
             "BOOL" => ParamType::Bool,
@@ -427,7 +544,7 @@ mod tests {
     fn catalog() -> StatementCatalog {
         let statement = |params: Vec<ParamType>| PreparedStatement {
             sql: String::new(),
-            params,
+            params: Params::Declared(params),
         };
         StatementCatalog {
             pipeline: "loyalty".into(),
@@ -451,7 +568,9 @@ mod tests {
         match (catalog.bind(statement, &params), expected) {
             (Ok(bound), Ok(())) => {
                 assert_eq!(bound.statement, statement);
-                let types = &catalog.statements[statement].params;
+                let Params::Declared(types) = &catalog.statements[statement].params else {
+                    panic!("declared types");
+                };
                 for (value, param_type) in bound.params().iter().zip(types) {
                     let mut out = BytesMut::new();
                     value
@@ -523,5 +642,69 @@ mod tests {
             vec![Timestamp(i64::MAX)],
             Err("out of the timestamp range"),
         );
+    }
+
+    #[test]
+    fn placeholders_are_counted_outside_literals_and_comments() {
+        for (sql, expected) in [
+            ("SELECT 1", 0),
+            ("UPDATE b SET p = p + $2 WHERE c = $1", 2),
+            ("SELECT $1::int8, $1", 1),
+            ("SELECT '$5', $1", 1),
+            ("SELECT 'it''s $4', $2", 2),
+            ("SELECT \"col$3\" FROM t WHERE a = $1", 1),
+            ("SELECT $1 -- and $9\n, $2", 2),
+            ("SELECT /* $7 */ $1", 1),
+            ("SELECT $$ $8 $$, $tag$ $6 $tag$, $3", 3),
+            ("SELECT a$1 FROM t", 1),
+            ("SELECT $12", 12),
+            ("SELECT '$1", 0),
+        ] {
+            assert_eq!(placeholder_count(sql), expected, "{sql}");
+        }
+    }
+
+    #[test]
+    fn a_catalog_from_config_checks_names_counts_and_values() {
+        let config = crate::config::Config::from_toml(
+            std::path::Path::new("/etc/idem/pipelines.toml"),
+            r#"
+            [database]
+            url = "postgres://localhost/x"
+            [amqp]
+            url = "amqp://localhost"
+            [pipelines.loyalty]
+            queue = "orders"
+            plugin = "x.wasm"
+            [pipelines.loyalty.statements]
+            credit = "UPDATE b SET p = p + $2 WHERE c = $1"
+            "#,
+        )
+        .unwrap_or_else(|error| panic!("{error}"));
+        let catalog = StatementCatalog::from_config(&config.pipelines[0]);
+        assert!(!catalog.types_known());
+        assert!(
+            catalog
+                .bind("credit", &[Value::Integer(7), Value::Integer(50)])
+                .is_ok()
+        );
+        let error = catalog
+            .bind("credit", &[Value::Integer(7)])
+            .expect_err("one parameter short");
+        assert!(
+            error
+                .to_string()
+                .contains("takes 2 parameters, the effect gave 1")
+        );
+        let error = catalog.bind("debit", &[]).expect_err("no such statement");
+        assert!(
+            error
+                .to_string()
+                .contains("pipeline \"loyalty\" has: credit")
+        );
+        let error = catalog
+            .bind("credit", &[Value::Text("a\0".into()), Value::Null])
+            .expect_err("a NUL in text");
+        assert!(error.to_string().contains("NUL"));
     }
 }

@@ -2,16 +2,17 @@
 //! identically (the conformance corpus), and serve a pipeline interchangeably.
 
 use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_e2e::{REPO_ROOT, TestEnv, order, plugin_path, unacked, wait_for};
+use idem_e2e::{REPO_ROOT, TestEnv, idem_binary, order, plugin_path, unacked, wait_for};
+use idem_host::cases::{self, Trial};
 use idem_host::config::PluginLimits;
-use idem_host::effect::{Effect, FailureKind, Outcome, Value};
 use idem_host::message::InboundMessage;
 use idem_host::metrics::Metrics;
+use idem_host::plugin::PluginRuntime;
 use idem_host::plugin::cache::Compiled;
-use idem_host::plugin::{PluginError, PluginRuntime};
 
 const LOYALTY_PLUGINS: [&str; 3] = ["loyalty", "loyalty-py", "loyalty-js"];
 
@@ -28,148 +29,92 @@ fn require_plugin(name: &str) -> std::path::PathBuf {
     path
 }
 
-/// A decision, failure or skip rendered for comparison with the corpus.
-fn render(result: &Result<Outcome, PluginError>) -> serde_json::Value {
-    match result {
-        Ok(Outcome::Decision(decision)) => serde_json::json!({
-            "outcome": "decision",
-            "key": decision.key,
-            "effects": decision.effects.iter().map(|effect| {
-                let Effect::Exec { statement, params } = effect else {
-                    return serde_json::json!(format!("{effect:?}"));
-                };
-                let params: Vec<serde_json::Value> = params.iter().map(|value| match value {
-                    Value::Integer(integer) => serde_json::json!(integer),
-                    other => serde_json::json!(format!("{other:?}")),
-                }).collect();
-                serde_json::json!([statement, params])
-            }).collect::<Vec<_>>(),
-        }),
-        Ok(Outcome::Skip { reason }) => serde_json::json!({ "outcome": "skip", "reason": reason }),
-        Err(PluginError::Rejected(failure)) => serde_json::json!({
-            "outcome": "failure",
-            "kind": match failure.kind {
-                FailureKind::InvalidInput => "invalid-input",
-                FailureKind::Retryable => "retryable",
-            },
-            "reason": failure.reason,
-        }),
-        Err(other) => serde_json::json!({ "outcome": "error", "reason": other.to_string() }),
-    }
-}
+const CORPUS: &str = "tests/conformance/loyalty.json";
 
-fn matches(actual: &serde_json::Value, expected: &serde_json::Value) -> bool {
-    match expected["outcome"].as_str() {
-        Some("decision") => {
-            actual["outcome"] == "decision"
-                && actual["key"] == expected["key"]
-                && actual["effects"] == expected["effects"]
-        }
-        Some("skip") | Some("failure") => {
-            actual["outcome"] == expected["outcome"]
-                && (expected["kind"].is_null() || actual["kind"] == expected["kind"])
-                && actual["reason"]
-                    .as_str()
-                    .zip(expected["reason_contains"].as_str())
-                    .is_some_and(|(reason, fragment)| reason.contains(fragment))
-        }
-        _ => false,
-    }
-}
-
-fn corpus() -> Vec<(String, Vec<u8>, serde_json::Value)> {
-    let text = std::fs::read_to_string(Path::new(REPO_ROOT).join("tests/conformance/loyalty.json"))
-        .expect("conformance corpus");
-    let corpus: serde_json::Value = serde_json::from_str(&text).expect("corpus is JSON");
-    corpus["cases"]
-        .as_array()
-        .expect("cases")
-        .iter()
-        .map(|case| {
-            let body = match (case["body"].as_str(), case["body_hex"].as_str()) {
-                (Some(body), _) => body.as_bytes().to_vec(),
-                (None, Some(hex)) => (0..hex.len())
-                    .step_by(2)
-                    .map(|index| u8::from_str_radix(&hex[index..index + 2], 16).expect("hex"))
-                    .collect(),
-                (None, None) => panic!("case without body: {case}"),
-            };
-            (
-                case["name"].as_str().expect("name").to_string(),
-                body,
-                case["expect"].clone(),
-            )
-        })
-        .collect()
-}
-
-/// Every loyalty plugin gives the corpus's decision for every message, in a fresh instance
-/// per message and in instances reused across messages (`limits.messages_per_instance`).
+/// Every loyalty plugin passes the conformance corpus through `idem test` (a fresh instance
+/// per message), and again in instances reused across messages
+/// (`limits.messages_per_instance`), twice through; and the languages agree exactly, reasons
+/// included where no JSON parser's wording is involved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_loyalty_plugin_passes_the_conformance_corpus() {
+    let corpus = Path::new(REPO_ROOT).join(CORPUS);
+    let cases = cases::load(&corpus).expect("conformance corpus");
     let runtime = PluginRuntime::new().expect("runtime");
-    let fresh = PluginLimits::default();
     let reused = PluginLimits {
         messages_per_instance: 1000.try_into().expect("non-zero"),
         ..PluginLimits::default()
     };
-    let cases = corpus();
-    let mut mismatches = Vec::new();
-    let mut decisions_by_plugin = Vec::new();
+    let mut failures = Vec::new();
+    let mut outcomes_by_plugin = Vec::new();
     for plugin_name in LOYALTY_PLUGINS {
         let path = require_plugin(plugin_name);
+        let tested = Command::new(idem_binary())
+            .args(["test", "--plugin"])
+            .arg(&path)
+            .arg("--cases")
+            .arg(&corpus)
+            .output()
+            .expect("idem test");
+        let report = String::from_utf8_lossy(&tested.stdout).into_owned();
+        if !tested.status.success() {
+            failures.push(format!("idem test {plugin_name}:\n{report}"));
+        }
+        assert!(
+            report.contains(&format!("{0} case(s): {0} passed, 0 failed", cases.len()))
+                || !tested.status.success(),
+            "{report}"
+        );
+
         let loading_runtime = runtime.clone();
         let plugin = tokio::task::spawn_blocking(move || loading_runtime.load(&path))
             .await
             .expect("join")
             .unwrap_or_else(|error| panic!("{plugin_name}: {error}"));
-        let mut decisions = Vec::new();
-        for (instances, limits) in [("fresh", &fresh), ("reused", &reused)] {
-            // Twice through in reused instances: the second pass meets what the first left.
-            let passes = if instances == "fresh" { 1 } else { 2 };
-            for pass in 0..passes {
-                for (index, (name, body, expected)) in cases.iter().enumerate() {
-                    let message = InboundMessage {
-                        pipeline: "loyalty".into(),
-                        body: body.clone(),
-                        ..InboundMessage::default()
-                    };
-                    let actual = render(&runtime.invoke(&plugin, limits, &message).await);
-                    if !matches(&actual, expected) {
-                        mismatches.push(format!(
-                            "{plugin_name} / {name} ({instances} instances): got {actual}, expected {expected}"
-                        ));
-                    }
-                    match decisions.get(index) {
-                        None => decisions.push(actual),
-                        Some(first) => assert_eq!(
-                            &actual, first,
-                            "{plugin_name} decided {name:?} differently in {instances} instances (pass {pass})"
-                        ),
-                    }
+        let trial = Trial {
+            runtime: &runtime,
+            plugin: &plugin,
+            limits: &reused,
+            pipeline: "loyalty",
+            routing_key: "orders",
+            fit: None,
+        };
+        let mut outcomes = Vec::new();
+        for pass in 0..2 {
+            for case in &cases {
+                let differences = trial.differences(case).await;
+                if !differences.is_empty() {
+                    failures.push(format!(
+                        "{plugin_name} / {} (reused instances, pass {pass}): {}",
+                        case.name,
+                        differences.join("; ")
+                    ));
+                }
+                let message = case.message("loyalty", "orders");
+                let outcome =
+                    cases::outcome_json(&runtime.invoke(&plugin, &reused, &message).await);
+                if pass == 0 {
+                    outcomes.push(outcome);
                 }
             }
         }
-        decisions_by_plugin.push((plugin_name, decisions));
+        outcomes_by_plugin.push((plugin_name, outcomes));
     }
     assert!(
-        mismatches.is_empty(),
+        failures.is_empty(),
         "conformance failures:\n{}",
-        mismatches.join("\n")
+        failures.join("\n")
     );
-    // Decisions and skips must also agree exactly between languages, reasons included
-    // where no JSON parser's wording is involved.
-    let (reference_name, reference) = &decisions_by_plugin[0];
-    for (plugin_name, decisions) in &decisions_by_plugin[1..] {
-        for ((name, _, _), (expected, actual)) in cases.iter().zip(reference.iter().zip(decisions))
-        {
+    let (reference_name, reference) = &outcomes_by_plugin[0];
+    for (plugin_name, outcomes) in &outcomes_by_plugin[1..] {
+        for ((case, expected), actual) in cases.iter().zip(reference).zip(outcomes) {
             let parser_worded = expected["reason"]
                 .as_str()
                 .is_some_and(|reason| reason.starts_with("body is not valid JSON"));
             if !parser_worded {
                 assert_eq!(
                     actual, expected,
-                    "{plugin_name} and {reference_name} differ on {name:?}"
+                    "{plugin_name} and {reference_name} differ on {:?}",
+                    case.name
                 );
             }
         }
@@ -311,7 +256,7 @@ async fn compiled_plugins_are_cached_verified_and_rebuilt() {
         let (runtime, cached, cached_time) = load(plugin_name).await;
         assert_eq!(cached.compiled, Compiled::Cached, "{plugin_name}");
         assert_eq!(cached.digest, fresh.digest);
-        let decided = render(&runtime.invoke(&cached, &limits, &message).await);
+        let decided = cases::outcome_json(&runtime.invoke(&cached, &limits, &message).await);
         assert_eq!(decided["outcome"], "decision", "{plugin_name}: {decided}");
         eprintln!(
             "compile cache: {plugin_name} compiled in {compile_time:?}, loaded from the cache in {cached_time:?}"

@@ -10,5 +10,7 @@ mod hot_swap;
 mod languages;
 mod operations;
 mod outbox;
+mod plugin_kit;
 mod queues;
 mod sandbox;
+mod triage;

@@ -141,20 +141,14 @@ async fn sigterm_drains_and_a_restart_completes_the_run() {
         env.publish(&order(order_id, order_id % 25, 1000 + order_id))
             .await;
     }
-    let mut child = spawn_idem(&config_path, &[]);
+    let child = spawn_idem(&config_path, &[]);
     wait_for("1,000 credits", Duration::from_secs(120), || async {
         env.count("SELECT count(*) FROM point_ledger").await >= 1000
     })
     .await;
-    let terminated = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .expect("kill -TERM");
-    assert!(terminated.success());
-    let status = tokio::task::spawn_blocking(move || child.wait())
+    let status = tokio::task::spawn_blocking(move || child.terminate())
         .await
-        .expect("join")
-        .expect("wait");
+        .expect("join");
     assert_eq!(
         status.code(),
         Some(0),
@@ -260,11 +254,8 @@ async fn try_and_check_report_clearly() {
     let decision: serde_json::Value = serde_json::from_slice(&tried.stdout).expect("JSON decision");
     assert_eq!(decision["outcome"], "decision");
     assert_eq!(decision["key"], "order-completed:9912");
-    assert_eq!(
-        decision["effects"][0]["exec"]["statement"],
-        "credit_balance"
-    );
-    assert_eq!(decision["effects"][0]["exec"]["params"][1]["integer"], 50);
+    assert_eq!(decision["effects"][0][0], "credit_balance");
+    assert_eq!(decision["effects"][0][1][1], 50);
 
     // Three separate problems: a missing plugin, a statement that does not prepare, and a
     // parameter type idem cannot bind.
@@ -511,4 +502,144 @@ fn wit_prints_and_writes_the_contract_the_host_was_built_with() {
         expected
     );
     let _ = std::fs::remove_dir_all(&directory);
+}
+
+/// `cargo install --path host` gives a binary that needs nothing from the checkout: the
+/// installed `idem migrate` creates the host's tables in a fresh database and the installed
+/// `idem run` credits orders there. (`--debug` and the workspace's target directory only
+/// reuse this build's artifacts; the install is the one a user runs.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cargo_install_gives_a_binary_that_migrates_and_runs() {
+    use sqlx::Connection;
+    let env = TestEnv::new("install").await;
+    let root = std::env::temp_dir().join(format!("idem-install-{}", env.database));
+    let repo = std::path::Path::new(idem_e2e::REPO_ROOT);
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let installed = Command::new(cargo)
+        .args(["install", "--locked", "--debug", "--quiet", "--path"])
+        .arg(repo.join("host"))
+        .arg("--root")
+        .arg(&root)
+        .arg("--target-dir")
+        .arg(repo.join("target"))
+        .output()
+        .expect("cargo install");
+    assert!(
+        installed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&installed.stderr)
+    );
+    let binary = root.join("bin/idem");
+    assert!(binary.is_file());
+
+    // A database with the business schema only: the installed binary brings the host's.
+    let fresh = format!("{}_fresh", env.database);
+    let mut admin = sqlx::PgConnection::connect(&idem_e2e::admin_url())
+        .await
+        .expect("admin connection");
+    sqlx::query(&format!("CREATE DATABASE \"{fresh}\""))
+        .execute(&mut admin)
+        .await
+        .expect("create database");
+    let fresh_url = env.database_url.replace(&env.database, &fresh);
+    let mut connection = sqlx::PgConnection::connect(&fresh_url)
+        .await
+        .expect("fresh database");
+    sqlx::raw_sql(
+        &std::fs::read_to_string(repo.join("examples/loyalty/schema.sql")).expect("schema"),
+    )
+    .execute(&mut connection)
+    .await
+    .expect("business schema");
+    let config_path = root.join("pipelines.toml");
+    std::fs::write(
+        &config_path,
+        env.config_text("loyalty", "")
+            .replace(&env.database, &fresh),
+    )
+    .expect("config");
+
+    let migrated = Command::new(&binary)
+        .args(["migrate", "--config"])
+        .arg(&config_path)
+        .output()
+        .expect("idem migrate");
+    assert!(migrated.status.success(), "{migrated:?}");
+    let claims: i64 = sqlx::query_scalar("SELECT count(*) FROM processed_messages")
+        .fetch_one(&mut connection)
+        .await
+        .expect("processed_messages exists after idem migrate");
+    assert_eq!(claims, 0);
+
+    let child = idem_e2e::IdemProcess::spawn(
+        Command::new(&binary)
+            .args(["run", "--config"])
+            .arg(&config_path)
+            .stdin(Stdio::null()),
+    );
+    for order_id in 1..=20 {
+        env.publish(&order(order_id, 4, 1000)).await;
+    }
+    let ledger = || {
+        let url = fresh_url.clone();
+        async move {
+            let mut connection = sqlx::PgConnection::connect(&url).await.expect("connect");
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM point_ledger")
+                .fetch_one(&mut connection)
+                .await
+                .expect("count")
+        }
+    };
+    wait_for(
+        "20 credits by the installed binary",
+        Duration::from_secs(60),
+        || async { ledger().await == 20 },
+    )
+    .await;
+    let status = tokio::task::spawn_blocking(move || child.terminate())
+        .await
+        .expect("join");
+    assert_eq!(status.code(), Some(0));
+    drop(connection);
+    sqlx::query(&format!("DROP DATABASE \"{fresh}\" WITH (FORCE)"))
+        .execute(&mut admin)
+        .await
+        .expect("drop database");
+    let _ = std::fs::remove_dir_all(&root);
+    env.cleanup().await;
+}
+
+/// `idem completions` prints a script for the shell that knows the subcommands, and
+/// `idem schema` a JSON Schema of pipelines.toml that refuses unknown keys.
+#[test]
+fn completions_and_schema_are_printed() {
+    let run = |args: &[&str]| {
+        let output = Command::new(idem_binary())
+            .args(args)
+            .output()
+            .expect("run idem");
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8(output.stdout).expect("UTF-8")
+    };
+    let bash = run(&["completions", "bash"]);
+    for word in [
+        "_idem()",
+        "dlq",
+        "outbox",
+        "new",
+        "build",
+        "test",
+        "--dry-run",
+    ] {
+        assert!(
+            bash.contains(word),
+            "{word} missing from the bash completions"
+        );
+    }
+    assert!(run(&["completions", "zsh"]).contains("#compdef idem"));
+    let schema: serde_json::Value =
+        serde_json::from_str(&run(&["schema"])).expect("the schema is JSON");
+    assert_eq!(schema["title"], "pipelines.toml");
+    assert_eq!(schema["additionalProperties"], false);
+    assert!(schema["$defs"]["RawPipeline"]["properties"]["cases"].is_object());
 }

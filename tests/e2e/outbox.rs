@@ -480,3 +480,118 @@ async fn outbox_delivers_over_https_to_a_private_ca() {
     let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;
 }
+
+/// `idem outbox list --parked` shows a row parked while its endpoint was down; once the
+/// endpoint is back, `idem outbox retry` makes it pending again and the running relay
+/// delivers it, once.
+#[tokio::test]
+async fn outbox_retry_sends_a_parked_row_again_once() {
+    let env = TestEnv::new("outbox_retry").await;
+    let accepting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let delivered = Arc::new(Mutex::new(Vec::<String>::new()));
+    let router = Router::new().route(
+        "/receipts",
+        post({
+            let accepting = Arc::clone(&accepting);
+            let delivered = Arc::clone(&delivered);
+            move |headers: HeaderMap| async move {
+                if !accepting.load(std::sync::atomic::Ordering::SeqCst) {
+                    return StatusCode::SERVICE_UNAVAILABLE;
+                }
+                let key = headers
+                    .get("idempotency-key")
+                    .and_then(|value| value.to_str().ok())
+                    .unwrap_or_default()
+                    .to_string();
+                delivered.lock().expect("deliveries").push(key);
+                StatusCode::OK
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind endpoint");
+    let port = listener.local_addr().expect("endpoint address").port();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let text = receipts_config(
+        &env,
+        &format!(
+            "[outbox.destinations.receipts]\nkind = \"http\"\nurl = \"http://127.0.0.1:{port}/receipts\"\ntimeout = \"1s\""
+        ),
+    )
+    .replace("max_attempts = 20", "max_attempts = 2");
+    let config_path = std::env::temp_dir().join(format!("{}.toml", env.database));
+    std::fs::write(&config_path, &text).expect("write config");
+    let host = env.start_host(Config::from_toml(&config_path, &text).expect("config"));
+    env.publish(&order(1, 1, 100)).await;
+    env.publish(&order(2, 1, 100)).await;
+    wait_for("both rows parked", Duration::from_secs(30), || async {
+        env.count("SELECT count(*) FROM idem_outbox WHERE parked_at IS NOT NULL")
+            .await
+            == 2
+    })
+    .await;
+    let idem = |args: &[&str]| {
+        let output = std::process::Command::new(idem_e2e::idem_binary())
+            .args(args)
+            .arg("--config")
+            .arg(&config_path)
+            .output()
+            .expect("run idem");
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+        )
+    };
+    let (listed, table) = idem(&["outbox", "list", "--parked"]);
+    assert!(listed, "{table}");
+    assert_eq!(table.matches("parked").count(), 2, "{table}");
+    assert!(table.contains("503"), "the last error is shown: {table}");
+    let first_id: i64 = sqlx::query_scalar("SELECT min(id) FROM idem_outbox")
+        .fetch_one(&env.pool)
+        .await
+        .expect("row id");
+
+    accepting.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (retried, said) = idem(&["outbox", "retry", "--id", &first_id.to_string()]);
+    assert!(retried, "{said}");
+    assert!(said.contains("1 parked row(s) are pending again"), "{said}");
+    wait_for(
+        "the retried row delivered",
+        Duration::from_secs(30),
+        || async {
+            env.count("SELECT count(*) FROM idem_outbox WHERE delivered_at IS NOT NULL")
+                .await
+                == 1
+        },
+    )
+    .await;
+    // Only the row asked for: the other stays parked until it is retried too.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM idem_outbox WHERE parked_at IS NOT NULL")
+            .await,
+        1
+    );
+    let (retried, said) = idem(&["outbox", "retry", "--destination", "receipts"]);
+    assert!(retried, "{said}");
+    wait_for("both rows delivered", Duration::from_secs(30), || async {
+        env.count("SELECT count(*) FROM idem_outbox WHERE delivered_at IS NOT NULL")
+            .await
+            == 2
+    })
+    .await;
+    let (retried, said) = idem(&["outbox", "retry"]);
+    assert!(!retried, "nothing parked is left to retry: {said}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    host.stop().await.expect("host stops cleanly");
+    let deliveries = delivered.lock().expect("deliveries").clone();
+    assert_eq!(
+        deliveries.len(),
+        2,
+        "each row delivered once: {deliveries:?}"
+    );
+    assert_ne!(deliveries[0], deliveries[1]);
+    let _ = std::fs::remove_file(config_path);
+    env.cleanup().await;
+}

@@ -97,12 +97,7 @@ async fn runaway_plugins_are_dead_lettered_while_a_healthy_pipeline_serves() {
     );
     // A 1 GiB allocation that had been allowed would have shown in the peak.
     let peak = idem_e2e::peak_rss_mib(host.id());
-    let terminated = std::process::Command::new("kill")
-        .args(["-TERM", &host.id().to_string()])
-        .status()
-        .expect("kill -TERM");
-    assert!(terminated.success());
-    let status = host.wait().expect("host exits");
+    let status = host.terminate();
     assert!(
         status.success(),
         "the host should exit 0 on SIGTERM, got {status}"

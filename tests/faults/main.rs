@@ -178,20 +178,9 @@ fn signal(process: &IdemProcess, signal: &str) {
 }
 
 /// SIGTERM, then wait for a clean exit.
-fn stop(mut process: IdemProcess) {
-    signal(&process, "-TERM");
-    let started = Instant::now();
-    loop {
-        if let Some(status) = process.try_wait().expect("wait idem") {
-            assert!(status.success(), "idem exited with {status}");
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "idem ignored SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+fn stop(process: IdemProcess) {
+    let status = process.terminate();
+    assert!(status.success(), "idem exited with {status}");
 }
 
 fn kill9(mut process: IdemProcess) {

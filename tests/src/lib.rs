@@ -376,6 +376,33 @@ pub fn idem_binary() -> PathBuf {
 /// An `idem` child process, killed when dropped so a failing test leaves no host behind.
 pub struct IdemProcess(Child);
 
+impl IdemProcess {
+    /// Starts `command` (an `idem` binary, this build's or an installed one).
+    pub fn spawn(command: &mut Command) -> IdemProcess {
+        IdemProcess(command.spawn().expect("spawn idem"))
+    }
+
+    /// Sends SIGTERM and waits (60 s at most) for the process to exit; returns how it did.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let sent = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status()
+            .expect("kill -TERM");
+        assert!(sent.success(), "kill -TERM {}", self.0.id());
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.0.try_wait().expect("wait idem") {
+                return status;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "idem ignored SIGTERM for 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
 impl std::ops::Deref for IdemProcess {
     type Target = Child;
     fn deref(&self) -> &Child {
@@ -444,7 +471,7 @@ pub fn spawn_idem(config: &Path, env: &[(&str, &str)]) -> IdemProcess {
     for (name, value) in env {
         command.env(name, value);
     }
-    IdemProcess(command.spawn().expect("spawn idem"))
+    IdemProcess::spawn(&mut command)
 }
 
 /// The `[pipelines.<name>]` table of a loyalty-shaped pipeline (the demo's two statements).

@@ -5,6 +5,7 @@
 
 mod acks;
 mod connect;
+pub mod dead_letters;
 pub mod topology;
 
 use std::time::{Duration, SystemTime};
@@ -29,6 +30,8 @@ pub const ATTEMPT_HEADER: &str = "x-idem-attempt";
 pub const REASON_HEADER: &str = "x-idem-reason";
 /// The header carrying the class of the failure (`invalid-input`, `plugin-trap`, `sql`, …).
 pub const ERROR_KIND_HEADER: &str = "x-idem-error-kind";
+/// The header carrying when the message was dead-lettered (Unix seconds).
+const REJECTED_AT_HEADER: &str = "x-idem-rejected-at";
 /// Longest reason kept in a header, in bytes.
 const REASON_BYTES: usize = 4096;
 /// AMQP persistent delivery mode.
@@ -214,83 +217,6 @@ pub async fn queue_depth(amqp: &AmqpConfig, queue: &str) -> Result<Option<QueueD
     }))
 }
 
-/// Moves up to `limit` messages from the pipeline's dead-letter queue back to its queue,
-/// without the `x-idem-*` headers (so retries start over). Each move is confirmed by the
-/// broker before the dead letter is acked. Safe because of the claims: a message that had
-/// been applied before is recognised as a duplicate. Returns how many were moved.
-pub async fn replay(
-    amqp: &AmqpConfig,
-    pipeline: &PipelineConfig,
-    limit: Option<u64>,
-) -> Result<u64, AmqpError> {
-    let (connection, channel) = connect_channel(amqp, "replay").await?;
-    let acks = Acks::spawn(channel.clone());
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|source| AmqpError::Topology {
-            action: "enable publisher confirms for replay into",
-            queue: pipeline.queue.clone(),
-            source,
-        })?;
-    // One pass over what is there now: a message that fails again during the replay goes
-    // back to the dead-letter queue and must not be replayed again by this run.
-    let waiting = topology::inspect(&channel, &pipeline.dead_letter_queue)
-        .await
-        .map_err(|source| AmqpError::Topology {
-            action: "inspect",
-            queue: pipeline.dead_letter_queue.clone(),
-            source,
-        })?
-        .message_count();
-    let limit = limit.map_or(u64::from(waiting), |limit| limit.min(u64::from(waiting)));
-    let mut moved = 0;
-    while moved < limit {
-        let got = channel
-            .basic_get(
-                ShortString::from(pipeline.dead_letter_queue.as_str()),
-                lapin::options::BasicGetOptions { no_ack: false },
-            )
-            .await
-            .map_err(|source| AmqpError::Topology {
-                action: "read from",
-                queue: pipeline.dead_letter_queue.clone(),
-                source,
-            })?;
-        let Some(message) = got else { break };
-        let delivery = message.delivery;
-        let headers: FieldTable = delivery
-            .properties
-            .headers()
-            .as_ref()
-            .map(|table| {
-                table
-                    .inner()
-                    .iter()
-                    .filter(|(name, _)| !name.as_str().starts_with("x-idem-"))
-                    .map(|(name, value)| (name.clone(), value.clone()))
-                    .collect::<std::collections::BTreeMap<_, _>>()
-                    .into()
-            })
-            .unwrap_or_default();
-        let receipt = Receipt::of(delivery, &acks, 1);
-        receipt
-            .publish_copy(&channel, &pipeline.queue, headers, Copy::Requeue)
-            .await?;
-        if !receipt.ack().await {
-            return Err(AmqpError::Publish {
-                queue: pipeline.dead_letter_queue.clone(),
-                reason: "the dead letter was copied but could not be acked; it may be replayed twice (harmless: the claim dedups)".into(),
-            });
-        }
-        moved += 1;
-    }
-    let _ = connection
-        .close(200, ShortString::from("replay done"))
-        .await;
-    Ok(moved)
-}
-
 /// Splits a delivery into what the plugin sees and what the host keeps to settle it through
 /// `acks`, its channel's ack owner. Call in delivery order.
 pub fn receive(
@@ -298,6 +224,16 @@ pub fn receive(
     delivery: lapin::message::Delivery,
     acks: &Acks,
 ) -> (InboundMessage, Receipt) {
+    let attempt = header_integer(&delivery.properties, ATTEMPT_HEADER)
+        .and_then(|attempt| u32::try_from(attempt).ok())
+        .unwrap_or(1)
+        .max(1);
+    let message = inbound_message(pipeline, &delivery);
+    (message, Receipt::of(delivery, acks, attempt))
+}
+
+/// What a plugin sees of `delivery`: non-text header values rendered as text.
+fn inbound_message(pipeline: &str, delivery: &lapin::message::Delivery) -> InboundMessage {
     let headers: Vec<(String, String)> = delivery
         .properties
         .headers()
@@ -310,11 +246,7 @@ pub fn receive(
                 .collect()
         })
         .unwrap_or_default();
-    let attempt = header_integer(&delivery.properties, ATTEMPT_HEADER)
-        .and_then(|attempt| u32::try_from(attempt).ok())
-        .unwrap_or(1)
-        .max(1);
-    let message = InboundMessage {
+    InboundMessage {
         pipeline: pipeline.to_string(),
         body: delivery.data.clone(),
         headers,
@@ -326,8 +258,7 @@ pub fn receive(
             .as_ref()
             .map(|id| id.as_str().to_string()),
         redelivered: delivery.redelivered,
-    };
-    (message, Receipt::of(delivery, acks, attempt))
+    }
 }
 
 impl Receipt {
@@ -391,7 +322,7 @@ impl Receipt {
             AMQPValue::LongString(LongString::from(pipeline.queue.as_str())),
         );
         headers.insert(
-            ShortString::from("x-idem-rejected-at"),
+            ShortString::from(REJECTED_AT_HEADER),
             AMQPValue::Timestamp(unix_seconds()),
         );
         self.publish_copy(
@@ -548,6 +479,7 @@ fn header_integer(properties: &BasicProperties, name: &str) -> Option<i64> {
         AMQPValue::LongInt(integer) => Some(i64::from(*integer)),
         AMQPValue::LongUInt(integer) => Some(i64::from(*integer)),
         AMQPValue::LongLongInt(integer) => Some(*integer),
+        AMQPValue::Timestamp(seconds) => i64::try_from(*seconds).ok(),
         AMQPValue::LongString(text) => std::str::from_utf8(text.as_bytes()).ok()?.parse().ok(),
         _ => None,
     }

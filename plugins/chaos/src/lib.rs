@@ -3,6 +3,8 @@
 //! `{"action": "trap"}` panics (a trap), `"loop"` never returns, `"alloc"` grows memory
 //! without bound, `"alloc-1g"` asks for 1 GiB at once, `"retry"` and `"invalid"` return failures, `"skip"` skips, `"log"` logs,
 //! `"count"` skips with the number of calls this instance has served (`"call 3"`),
+//! `"describe"` skips with the delivery's properties
+//! (`pipeline=… routing_key=… exchange=… message_id=… redelivered=… headers=[a=b]`),
 //! and `"echo"` returns `{"key": …, "effects": [{"statement": …, "params": [...]}]}` as given
 //! (JSON integers become `integer`, strings `text`, floats `float`, booleans `boolean`,
 //! `null` `null`; `{"json": …}` becomes `json`).
@@ -55,6 +57,20 @@ impl Guest for Chaos {
                 let calls = CALLS.fetch_add(1, Ordering::Relaxed) + 1;
                 Ok(Outcome::Skip(format!("call {calls}")))
             }
+            "describe" => Ok(Outcome::Skip(format!(
+                "pipeline={} routing_key={} exchange={} message_id={} redelivered={} headers=[{}]",
+                message.pipeline,
+                message.routing_key,
+                message.exchange,
+                message.message_id.as_deref().unwrap_or("-"),
+                message.redelivered,
+                message
+                    .headers
+                    .iter()
+                    .map(|(name, value)| format!("{name}={value}"))
+                    .collect::<Vec<_>>()
+                    .join(","),
+            ))),
             "log" => {
                 log(Level::Info, "chaos plugin says hello");
                 Ok(Outcome::Skip("logged".into()))

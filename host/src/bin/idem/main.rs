@@ -1,19 +1,18 @@
 //! The `idem` command line.
 
+mod check;
+mod dlq;
+mod scaffold;
+mod trial;
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use serde_json::json;
 
 use idem_host::config::Config;
-use idem_host::effect::{Effect, Outcome, Value};
-use idem_host::message::InboundMessage;
-use idem_host::plugin::{PluginError, PluginRuntime};
-use idem_host::statement::StatementCatalog;
-use idem_host::{amqp, database, partition, pipeline, retention};
-use sha2::Digest;
+use idem_host::{database, partition, retention};
 
 /// Exactly-once database effects from at-least-once message delivery.
 #[derive(Parser)]
@@ -73,7 +72,18 @@ enum Command {
         #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
         config: PathBuf,
     },
-    /// Move dead-lettered messages back to their pipeline's queue (safe: claims dedup them).
+    /// Dead letters: list, show, and replay by error kind, reason or age.
+    Dlq {
+        #[command(subcommand)]
+        command: DlqArgs,
+    },
+    /// Outbox rows not delivered: list them, send parked ones again.
+    Outbox {
+        #[command(subcommand)]
+        command: OutboxArgs,
+    },
+    /// Move dead-lettered messages back to their pipeline's queue, oldest first (safe: claims
+    /// dedup them). `idem dlq replay` does the same by selection.
     Replay {
         #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
         config: PathBuf,
@@ -95,16 +105,169 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Run a pipeline's plugin on one message file and print its decision (no broker, no database).
+    /// Print the JSON Schema of pipelines.toml, for editors (e.g. taplo, Even Better TOML:
+    /// `#:schema ./pipelines.schema.json` on the file's first line).
+    Schema,
+    /// Print a shell completion script: `idem completions bash > /etc/bash_completion.d/idem`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write a new plugin project in DIR (named after it): the handler, the guest helper, the
+    /// WIT, pinned build files, cases.json, a pipeline fragment and a README.
+    New {
+        #[arg(value_enum)]
+        language: scaffold::Language,
+        directory: PathBuf,
+    },
+    /// Build the plugin project in DIR into DIR/<name>.wasm with its language's toolchain.
+    Build {
+        #[arg(default_value = ".")]
+        directory: PathBuf,
+    },
+    /// Run a pipeline's plugin on one message and print its decision (no broker); its effects
+    /// are checked against the pipeline's statements (types too when PostgreSQL is reachable).
     Try {
         #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
         config: PathBuf,
         /// The pipeline whose plugin and limits to use.
         #[arg(long, short)]
         pipeline: String,
-        /// A file holding the message body.
+        /// A file holding the message body (`-` reads stdin).
         #[arg(long, short)]
         message: PathBuf,
+        /// A message header, NAME=VALUE (repeatable).
+        #[arg(long = "header", value_name = "NAME=VALUE")]
+        headers: Vec<String>,
+        /// The routing key (default: the pipeline's queue).
+        #[arg(long)]
+        routing_key: Option<String>,
+        /// The message-id property.
+        #[arg(long)]
+        message_id: Option<String>,
+        /// Mark the delivery as redelivered.
+        #[arg(long)]
+        redelivered: bool,
+        /// Check effects against the config's statements without contacting PostgreSQL.
+        #[arg(long)]
+        offline: bool,
+    },
+    /// Run a plugin on every case of a case file and show each difference from the expected
+    /// outcome (exit 1 on any); with --config, also check every effect against the pipeline.
+    Test {
+        /// The plugin (default: the pipeline's, with --config).
+        #[arg(long)]
+        plugin: Option<PathBuf>,
+        /// The case file (JSON: messages and expected outcomes).
+        #[arg(long, default_value = "cases.json")]
+        cases: PathBuf,
+        /// A pipelines file whose pipeline's limits and statements to test against.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// The pipeline in --config (needed when it has several).
+        #[arg(long, short)]
+        pipeline: Option<String>,
+        /// Check effects against the config's statements without contacting PostgreSQL.
+        #[arg(long)]
+        offline: bool,
+    },
+}
+
+/// The pipeline whose dead-letter queue a `dlq` command reads.
+#[derive(clap::Args)]
+struct DlqTarget {
+    #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
+    config: PathBuf,
+    #[arg(long, short)]
+    pipeline: String,
+}
+
+/// Which dead letters a `dlq` command acts on; all given filters must match.
+#[derive(clap::Args)]
+struct DlqFilter {
+    /// The error kind, e.g. invalid-input, plugin-trap, retries-exhausted, sql.
+    #[arg(long)]
+    kind: Option<String>,
+    /// A fragment of the reason.
+    #[arg(long)]
+    reason: Option<String>,
+    /// Dead-lettered at most this long ago, e.g. 30m or 2h.
+    #[arg(long, value_parser = idem_host::config::parse_duration)]
+    since: Option<std::time::Duration>,
+    /// At most this many messages.
+    #[arg(long)]
+    limit: Option<u64>,
+}
+
+impl DlqFilter {
+    fn selection(self) -> idem_host::amqp::dead_letters::Selection {
+        idem_host::amqp::dead_letters::Selection {
+            kind: self.kind,
+            reason: self.reason,
+            since: self.since,
+            limit: self.limit,
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum DlqArgs {
+    /// List dead letters, oldest first: number, age, error kind, reason, body preview. Every
+    /// message is looked at and returned in its order; nothing is consumed.
+    List {
+        #[command(flatten)]
+        target: DlqTarget,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one dead letter in full: headers, properties and body.
+    Show {
+        #[command(flatten)]
+        target: DlqTarget,
+        /// Its number in `idem dlq list`.
+        number: u64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Move the matching dead letters to the pipeline's queue (original headers kept, plus
+    /// x-idem-replays); the others stay where they are.
+    Replay {
+        #[command(flatten)]
+        target: DlqTarget,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Show what would move; move nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum OutboxArgs {
+    /// Undelivered outbox rows, oldest first (pending and parked).
+    List {
+        #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
+        config: PathBuf,
+        /// Only rows parked after their last attempt.
+        #[arg(long)]
+        parked: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make parked rows pending again (all, one destination's, or one row); the relay of a
+    /// running `idem run` delivers them.
+    Retry {
+        #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
+        config: PathBuf,
+        #[arg(long)]
+        destination: Option<String>,
+        #[arg(long)]
+        id: Option<i64>,
     },
 }
 
@@ -166,7 +329,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             println!("migrations applied");
             Ok(ExitCode::SUCCESS)
         }
-        Command::Check { config, offline } => check(&config, offline).await,
+        Command::Check { config, offline } => check::check(&config, offline).await,
         Command::Cleanup { config } => {
             let config = Config::load(&config)?;
             let pool = database::connect_once(&config.database).await?;
@@ -245,20 +408,117 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let pipeline_config = config.pipeline(&pipeline).with_context(|| {
                 format!("no pipeline {pipeline:?} in {}", config.path.display())
             })?;
-            let moved = amqp::replay(&config.amqp, pipeline_config, limit).await?;
+            let selection = idem_host::amqp::dead_letters::Selection {
+                limit,
+                ..Default::default()
+            };
+            let moved = idem_host::amqp::dead_letters::pass(
+                &config.amqp,
+                pipeline_config,
+                &selection,
+                idem_host::amqp::dead_letters::Action::Replay,
+                |_| {},
+            )
+            .await?;
             println!(
                 "replayed {moved} messages from {:?} to {:?}",
                 pipeline_config.dead_letter_queue, pipeline_config.queue
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Status { config } => status(&config).await,
+        Command::Status { config } => check::status(&config).await,
+        Command::Dlq { command } => {
+            let (target, selection, command) = match command {
+                DlqArgs::List {
+                    target,
+                    filter,
+                    json,
+                } => (target, filter.selection(), dlq::DlqCommand::List { json }),
+                DlqArgs::Show {
+                    target,
+                    number,
+                    json,
+                } => (
+                    target,
+                    Default::default(),
+                    dlq::DlqCommand::Show {
+                        position: number,
+                        json,
+                    },
+                ),
+                DlqArgs::Replay {
+                    target,
+                    filter,
+                    dry_run,
+                } => (
+                    target,
+                    filter.selection(),
+                    dlq::DlqCommand::Replay { dry_run },
+                ),
+            };
+            dlq::dlq(&target.config, &target.pipeline, selection, command).await
+        }
+        Command::Outbox { command } => match command {
+            OutboxArgs::List {
+                config,
+                parked,
+                json,
+            } => dlq::outbox(&config, dlq::OutboxCommand::List { parked, json }).await,
+            OutboxArgs::Retry {
+                config,
+                destination,
+                id,
+            } => dlq::outbox(&config, dlq::OutboxCommand::Retry { destination, id }).await,
+        },
         Command::Try {
             config,
             pipeline,
             message,
-        } => try_message(&config, &pipeline, &message).await,
+            headers,
+            routing_key,
+            message_id,
+            redelivered,
+            offline,
+        } => {
+            let delivery = trial::Delivery {
+                headers,
+                routing_key,
+                message_id,
+                redelivered,
+            };
+            trial::try_message(&config, &pipeline, &message, delivery, offline).await
+        }
+        Command::Test {
+            plugin,
+            cases,
+            config,
+            pipeline,
+            offline,
+        } => {
+            let target = trial::TestTarget {
+                plugin,
+                config,
+                pipeline,
+                offline,
+            };
+            trial::test(target, &cases).await
+        }
         Command::Wit { out } => write_wit(out.as_deref()),
+        Command::New {
+            language,
+            directory,
+        } => scaffold::new(language, &directory),
+        Command::Build { directory } => scaffold::build(&directory),
+        Command::Schema => {
+            let schema = idem_host::config::json_schema();
+            println!("{}", serde_json::to_string_pretty(&schema)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Completions { shell } => {
+            let mut command = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut command, "idem", &mut std::io::stdout());
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -274,256 +534,6 @@ fn write_wit(out: Option<&Path>) -> anyhow::Result<ExitCode> {
     std::fs::write(&path, wit).with_context(|| format!("cannot write {}", path.display()))?;
     eprintln!("idem wit: wrote {}", path.display());
     Ok(ExitCode::SUCCESS)
-}
-
-/// Collects every problem instead of stopping at the first.
-async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
-    let config = Config::load(path)?;
-    let runtime = PluginRuntime::for_config(&config)?;
-    let mut problems = Vec::new();
-    if let Some(outbox) = &config.outbox
-        && let Err(error) = idem_host::outbox::http_clients(outbox)
-    {
-        problems.push(error.to_string());
-    }
-    for pipeline_config in &config.pipelines {
-        match pipeline::load_plugin(&runtime, pipeline_config).await {
-            Ok(plugin) => println!(
-                "ok   pipeline {:?}: plugin {} ({})",
-                pipeline_config.name,
-                plugin.path.display(),
-                plugin.digest
-            ),
-            Err(error) => problems.push(error.to_string()),
-        }
-    }
-    if offline {
-        return Ok(verdict(
-            &config,
-            &problems,
-            " (offline: PostgreSQL and RabbitMQ not checked)",
-        ));
-    }
-    check_broker(&config, &mut problems).await;
-    match database::connect_once(&config.database).await {
-        Err(error) => problems.push(error.to_string()),
-        Ok(pool) => {
-            if let Err(error) =
-                database::check_schema(&pool, &config.database, config.outbox.is_some()).await
-            {
-                problems.push(error.to_string());
-            }
-            for pipeline_config in &config.pipelines {
-                match StatementCatalog::prepare(&pool, pipeline_config).await {
-                    Ok(_) => println!(
-                        "ok   pipeline {:?}: {} statements prepare",
-                        pipeline_config.name,
-                        pipeline_config.statements.len()
-                    ),
-                    Err(errors) => {
-                        problems.extend(errors.0.iter().map(ToString::to_string));
-                    }
-                }
-            }
-        }
-    }
-    Ok(verdict(&config, &problems, ""))
-}
-
-fn verdict(config: &Config, problems: &[String], note: &str) -> ExitCode {
-    for problem in problems {
-        println!("FAIL {problem}");
-    }
-    if problems.is_empty() {
-        println!("{} is ready to run{note}", config.path.display());
-        ExitCode::SUCCESS
-    } else {
-        println!("{} problem(s) found{note}", problems.len());
-        ExitCode::FAILURE
-    }
-}
-
-/// Connects to RabbitMQ as `idem run` would and checks every pipeline's queues without
-/// declaring any.
-async fn check_broker(config: &Config, problems: &mut Vec<String>) {
-    use amqp::topology::{self, Found, Role};
-    let endpoint = idem_host::config::redact_url(&config.amqp.url);
-    let connection = match amqp::connect(&config.amqp, "idem check".into()).await {
-        Ok(connection) => connection,
-        Err(error) => {
-            problems.push(error.to_string());
-            return;
-        }
-    };
-    println!("ok   RabbitMQ at {endpoint}: credentials and vhost accepted");
-    for pipeline_config in &config.pipelines {
-        for role in [Role::Consumed, Role::DeadLetter] {
-            let queue = role.queue(pipeline_config);
-            let label = match role {
-                Role::Consumed => "queue",
-                Role::DeadLetter => "dead-letter queue",
-            };
-            let declared = topology::describe(pipeline_config, role);
-            match topology::ensure(&connection, pipeline_config, role, false).await {
-                Ok(Found::Exists { ready, .. }) => {
-                    let how = if pipeline_config.declare {
-                        format!("matches {declared}")
-                    } else {
-                        "used as your infrastructure declared it".to_string()
-                    };
-                    println!(
-                        "ok   pipeline {:?}: {label} {queue:?} exists ({how}; {ready} ready)",
-                        pipeline_config.name
-                    );
-                }
-                Ok(Found::Missing | Found::Declared) => println!(
-                    "ok   pipeline {:?}: {label} {queue:?} will be declared by idem run ({declared})",
-                    pipeline_config.name
-                ),
-                Err(error) => problems.push(error.to_string()),
-            }
-        }
-    }
-    let _ = connection.close(200, "check done".into()).await;
-}
-
-async fn status(path: &Path) -> anyhow::Result<ExitCode> {
-    let config = Config::load(path)?;
-    let pool = database::connect_once(&config.database).await.ok();
-    for pipeline_config in &config.pipelines {
-        println!(
-            "pipeline {:?} (consumer {:?})",
-            pipeline_config.name, pipeline_config.consumer
-        );
-        let plugin = match std::fs::read(&pipeline_config.plugin) {
-            Ok(bytes) => format!("sha256:{:x}", sha2::Sha256::digest(&bytes)),
-            Err(error) => format!("unreadable: {error}"),
-        };
-        println!(
-            "  plugin file   {} ({plugin})",
-            pipeline_config.plugin.display()
-        );
-        for (label, queue) in [
-            ("queue", &pipeline_config.queue),
-            ("dead letters", &pipeline_config.dead_letter_queue),
-        ] {
-            let depth = match amqp::queue_depth(&config.amqp, queue).await {
-                Ok(Some(depth)) => format!("{} ready, {} consumers", depth.ready, depth.consumers),
-                Ok(None) => "not declared yet".to_string(),
-                Err(error) => format!("unknown ({error})"),
-            };
-            println!("  {label:<13} {queue:?}: {depth}");
-        }
-        if let Some(pool) = &pool {
-            let claims: Result<(i64, Option<f64>), _> = sqlx::query_as(
-                "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
-                 FROM processed_messages WHERE consumer = $1",
-            )
-            .bind(&pipeline_config.consumer)
-            .fetch_one(pool)
-            .await;
-            match claims {
-                Ok((count, oldest)) => println!(
-                    "  claims        {count} (oldest {}, window {:?})",
-                    oldest.map_or("-".to_string(), |seconds| format!("{:.0} s ago", seconds)),
-                    pipeline_config.retention.window
-                ),
-                Err(error) => println!("  claims        unknown ({error})"),
-            }
-        }
-    }
-    if let (Some(pool), Some(_)) = (&pool, &config.outbox) {
-        match idem_host::outbox::backlog(pool).await {
-            Ok(backlog) => println!(
-                "outbox: {} pending, {} parked, {} delivered (kept for retention)",
-                backlog.pending, backlog.parked, backlog.delivered
-            ),
-            Err(error) => println!("outbox: unknown ({error})"),
-        }
-    }
-    if pool.is_none() {
-        println!("(database unreachable: claims not shown)");
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-async fn try_message(path: &Path, pipeline_name: &str, message: &Path) -> anyhow::Result<ExitCode> {
-    let config = Config::load(path)?;
-    let pipeline_config = config
-        .pipeline(pipeline_name)
-        .with_context(|| format!("no pipeline {pipeline_name:?} in {}", config.path.display()))?;
-    let body =
-        std::fs::read(message).with_context(|| format!("cannot read message {message:?}"))?;
-    let runtime = PluginRuntime::new()?;
-    let plugin = pipeline::load_plugin(&runtime, pipeline_config).await?;
-    let inbound = InboundMessage {
-        pipeline: pipeline_config.name.clone(),
-        body,
-        routing_key: pipeline_config.queue.clone(),
-        ..InboundMessage::default()
-    };
-    let started = std::time::Instant::now();
-    let (outcome, stats) = runtime
-        .invoke_measured(&plugin, &pipeline_config.limits, &inbound)
-        .await;
-    eprintln!(
-        "idem try: {} ({}) called in {:.2} ms, {} KiB of linear memory",
-        plugin.path.display(),
-        plugin.digest,
-        started.elapsed().as_secs_f64() * 1e3,
-        stats.memory_bytes / 1024
-    );
-    let (report, code) = match outcome {
-        Ok(Outcome::Decision(decision)) => (
-            json!({
-                "outcome": "decision",
-                "key": decision.key,
-                "effects": decision.effects.iter().map(effect_json).collect::<Vec<_>>(),
-            }),
-            ExitCode::SUCCESS,
-        ),
-        Ok(Outcome::Skip { reason }) => (
-            json!({ "outcome": "skip", "reason": reason }),
-            ExitCode::SUCCESS,
-        ),
-        Err(PluginError::Rejected(failure)) => (
-            json!({ "outcome": "failure", "kind": failure.kind.as_str(), "reason": failure.reason }),
-            ExitCode::FAILURE,
-        ),
-        Err(error) => (
-            json!({ "outcome": "error", "reason": error.to_string() }),
-            ExitCode::FAILURE,
-        ),
-    };
-    println!("{}", serde_json::to_string_pretty(&report)?);
-    Ok(code)
-}
-
-fn effect_json(effect: &Effect) -> serde_json::Value {
-    match effect {
-        Effect::Exec { statement, params } => {
-            let params: Vec<serde_json::Value> = params
-                .iter()
-                .map(|value| match value {
-                    Value::Null => json!({ "null": null }),
-                    Value::Boolean(flag) => json!({ "boolean": flag }),
-                    Value::Integer(integer) => json!({ "integer": integer }),
-                    Value::Float(float) => json!({ "float": float }),
-                    Value::Text(text) => json!({ "text": text }),
-                    Value::Json(text) => json!({ "json": text }),
-                    Value::Bytes(bytes) => json!({ "bytes": bytes }),
-                    Value::Timestamp(micros) => json!({ "timestamp": micros }),
-                })
-                .collect();
-            json!({ "exec": { "statement": statement, "params": params } })
-        }
-        Effect::Outbox(message) => json!({ "outbox": {
-            "destination": message.destination,
-            "payload": String::from_utf8_lossy(&message.payload),
-            "headers": message.headers,
-            "key": message.key,
-        } }),
-    }
 }
 
 /// Completes on SIGTERM or SIGINT.

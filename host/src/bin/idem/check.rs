@@ -1,0 +1,218 @@
+//! `idem check` and `idem status`: is this config ready to run, and how is it doing.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use idem_host::config::Config;
+use idem_host::plugin::PluginRuntime;
+use idem_host::statement::StatementCatalog;
+use idem_host::{amqp, database, pipeline};
+use sha2::Digest;
+
+/// Collects every problem instead of stopping at the first.
+pub async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
+    let config = Config::load(path)?;
+    let runtime = PluginRuntime::for_config(&config)?;
+    let mut problems = Vec::new();
+    if let Some(outbox) = &config.outbox
+        && let Err(error) = idem_host::outbox::http_clients(outbox)
+    {
+        problems.push(error.to_string());
+    }
+    let mut plugins = Vec::with_capacity(config.pipelines.len());
+    for pipeline_config in &config.pipelines {
+        match pipeline::load_plugin(&runtime, pipeline_config).await {
+            Ok(plugin) => {
+                println!(
+                    "ok   pipeline {:?}: plugin {} ({})",
+                    pipeline_config.name,
+                    plugin.path.display(),
+                    plugin.digest
+                );
+                plugins.push(Some(plugin));
+            }
+            Err(error) => {
+                problems.push(error.to_string());
+                plugins.push(None);
+            }
+        }
+    }
+    // The statements each pipeline's self-test is checked against: as PostgreSQL prepares
+    // them, or, offline, as the config declares them.
+    let mut catalogs: Vec<Option<StatementCatalog>> = Vec::with_capacity(config.pipelines.len());
+    if offline {
+        catalogs.extend(
+            config
+                .pipelines
+                .iter()
+                .map(|pipeline_config| Some(StatementCatalog::from_config(pipeline_config))),
+        );
+    } else {
+        check_broker(&config, &mut problems).await;
+        match database::connect_once(&config.database).await {
+            Err(error) => problems.push(error.to_string()),
+            Ok(pool) => {
+                if let Err(error) =
+                    database::check_schema(&pool, &config.database, config.outbox.is_some()).await
+                {
+                    problems.push(error.to_string());
+                }
+                for pipeline_config in &config.pipelines {
+                    match StatementCatalog::prepare(&pool, pipeline_config).await {
+                        Ok(catalog) => {
+                            println!(
+                                "ok   pipeline {:?}: {} statements prepare",
+                                pipeline_config.name,
+                                pipeline_config.statements.len()
+                            );
+                            catalogs.push(Some(catalog));
+                        }
+                        Err(errors) => {
+                            problems.extend(errors.0.iter().map(ToString::to_string));
+                            catalogs.push(None);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for ((pipeline_config, plugin), catalog) in config.pipelines.iter().zip(&plugins).zip(&catalogs)
+    {
+        let (Some(plugin), Some(catalog)) = (plugin, catalog) else {
+            continue;
+        };
+        if pipeline_config.self_test.is_none() && pipeline_config.cases.is_none() {
+            continue;
+        }
+        match pipeline::self_test(&runtime, pipeline_config, catalog, plugin).await {
+            Ok(()) => println!(
+                "ok   pipeline {:?}: plugin passes its self-test",
+                pipeline_config.name
+            ),
+            Err(error) => problems.push(error.to_string()),
+        }
+    }
+    let note = if offline {
+        " (offline: PostgreSQL and RabbitMQ not checked; effects checked for statement names and parameter counts)"
+    } else {
+        ""
+    };
+    Ok(verdict(&config, &problems, note))
+}
+
+fn verdict(config: &Config, problems: &[String], note: &str) -> ExitCode {
+    for problem in problems {
+        println!("FAIL {problem}");
+    }
+    if problems.is_empty() {
+        println!("{} is ready to run{note}", config.path.display());
+        ExitCode::SUCCESS
+    } else {
+        println!("{} problem(s) found{note}", problems.len());
+        ExitCode::FAILURE
+    }
+}
+
+/// Connects to RabbitMQ as `idem run` would and checks every pipeline's queues without
+/// declaring any.
+async fn check_broker(config: &Config, problems: &mut Vec<String>) {
+    use amqp::topology::{self, Found, Role};
+    let endpoint = idem_host::config::redact_url(&config.amqp.url);
+    let connection = match amqp::connect(&config.amqp, "idem check".into()).await {
+        Ok(connection) => connection,
+        Err(error) => {
+            problems.push(error.to_string());
+            return;
+        }
+    };
+    println!("ok   RabbitMQ at {endpoint}: credentials and vhost accepted");
+    for pipeline_config in &config.pipelines {
+        for role in [Role::Consumed, Role::DeadLetter] {
+            let queue = role.queue(pipeline_config);
+            let label = match role {
+                Role::Consumed => "queue",
+                Role::DeadLetter => "dead-letter queue",
+            };
+            let declared = topology::describe(pipeline_config, role);
+            match topology::ensure(&connection, pipeline_config, role, false).await {
+                Ok(Found::Exists { ready, .. }) => {
+                    let how = if pipeline_config.declare {
+                        format!("matches {declared}")
+                    } else {
+                        "used as your infrastructure declared it".to_string()
+                    };
+                    println!(
+                        "ok   pipeline {:?}: {label} {queue:?} exists ({how}; {ready} ready)",
+                        pipeline_config.name
+                    );
+                }
+                Ok(Found::Missing | Found::Declared) => println!(
+                    "ok   pipeline {:?}: {label} {queue:?} will be declared by idem run ({declared})",
+                    pipeline_config.name
+                ),
+                Err(error) => problems.push(error.to_string()),
+            }
+        }
+    }
+    let _ = connection.close(200, "check done".into()).await;
+}
+
+pub async fn status(path: &Path) -> anyhow::Result<ExitCode> {
+    let config = Config::load(path)?;
+    let pool = database::connect_once(&config.database).await.ok();
+    for pipeline_config in &config.pipelines {
+        println!(
+            "pipeline {:?} (consumer {:?})",
+            pipeline_config.name, pipeline_config.consumer
+        );
+        let plugin = match std::fs::read(&pipeline_config.plugin) {
+            Ok(bytes) => format!("sha256:{:x}", sha2::Sha256::digest(&bytes)),
+            Err(error) => format!("unreadable: {error}"),
+        };
+        println!(
+            "  plugin file   {} ({plugin})",
+            pipeline_config.plugin.display()
+        );
+        for (label, queue) in [
+            ("queue", &pipeline_config.queue),
+            ("dead letters", &pipeline_config.dead_letter_queue),
+        ] {
+            let depth = match amqp::queue_depth(&config.amqp, queue).await {
+                Ok(Some(depth)) => format!("{} ready, {} consumers", depth.ready, depth.consumers),
+                Ok(None) => "not declared yet".to_string(),
+                Err(error) => format!("unknown ({error})"),
+            };
+            println!("  {label:<13} {queue:?}: {depth}");
+        }
+        if let Some(pool) = &pool {
+            let claims: Result<(i64, Option<f64>), _> = sqlx::query_as(
+                "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
+                 FROM processed_messages WHERE consumer = $1",
+            )
+            .bind(&pipeline_config.consumer)
+            .fetch_one(pool)
+            .await;
+            match claims {
+                Ok((count, oldest)) => println!(
+                    "  claims        {count} (oldest {}, window {:?})",
+                    oldest.map_or("-".to_string(), |seconds| format!("{:.0} s ago", seconds)),
+                    pipeline_config.retention.window
+                ),
+                Err(error) => println!("  claims        unknown ({error})"),
+            }
+        }
+    }
+    if let (Some(pool), Some(_)) = (&pool, &config.outbox) {
+        match idem_host::outbox::backlog(pool).await {
+            Ok(backlog) => println!(
+                "outbox: {} pending, {} parked, {} delivered (kept for retention)",
+                backlog.pending, backlog.parked, backlog.delivered
+            ),
+            Err(error) => println!("outbox: unknown ({error})"),
+        }
+    }
+    if pool.is_none() {
+        println!("(database unreachable: claims not shown)");
+    }
+    Ok(ExitCode::SUCCESS)
+}

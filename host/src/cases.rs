@@ -1,0 +1,814 @@
+//! Plugin test cases: messages, each with the outcome a plugin must give for it. `idem test`
+//! runs a case file against a plugin; `idem try` prints an outcome in the same JSON form a
+//! case expects, so a decision can be pasted into a case as it stands.
+//!
+//! ```json
+//! { "cases": [
+//!   { "name": "valid order",
+//!     "json": { "order_id": 9912, "customer_id": 7, "total_cents": 5000 },
+//!     "headers": { "tenant": "eu" }, "routing_key": "orders", "redelivered": false,
+//!     "expect": { "outcome": "decision", "key": "order-completed:9912",
+//!                 "effects": [ ["credit_balance", [7, 50]] ] } },
+//!   { "name": "refund", "body": "{\"type\": \"RefundIssued\"}",
+//!     "expect": { "outcome": "skip", "reason_contains": "RefundIssued" } },
+//!   { "name": "not JSON", "body_hex": "fffe",
+//!     "expect": { "outcome": "failure", "kind": "invalid-input", "reason_contains": "JSON" } }
+//! ] }
+//! ```
+//!
+//! A statement parameter is written as JSON: `null`, `true`, `7` (integer), `7.5` (float),
+//! `"text"`, or tagged: `{"json": …}`, `{"bytes_hex": "00ff"}`,
+//! `{"timestamp": "2026-12-04T10:00:00Z"}` (or microseconds since the epoch).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use chrono::{DateTime, SecondsFormat};
+use serde::Deserialize;
+use serde_json::{Value as Json, json};
+
+use crate::config::{PipelineConfig, PluginLimits};
+use crate::effect::{Decision, Effect, FailureKind, OutboxMessage, Outcome, Value};
+use crate::ledger::{Plan, PlanError};
+use crate::message::InboundMessage;
+use crate::plugin::{LoadedPlugin, PluginError, PluginRuntime};
+use crate::statement::StatementCatalog;
+
+/// A case file that cannot be used: nothing runs.
+#[derive(Debug, thiserror::Error)]
+pub enum CaseFileError {
+    #[error("cannot read cases {path:?}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid cases {path:?}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+/// One message and the outcome expected for it.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub name: String,
+    body: Vec<u8>,
+    headers: Vec<(String, String)>,
+    routing_key: Option<String>,
+    exchange: String,
+    message_id: Option<String>,
+    redelivered: bool,
+    expect: Expected,
+}
+
+#[derive(Debug, Clone)]
+enum Expected {
+    /// `effects: None` checks the key only.
+    Decision {
+        key: String,
+        effects: Option<Vec<Json>>,
+    },
+    Skip(ReasonMatch),
+    Failure {
+        kind: Option<FailureKind>,
+        reason: ReasonMatch,
+    },
+    /// The plugin traps or breaks a limit.
+    Error(ReasonMatch),
+}
+
+#[derive(Debug, Clone, Default)]
+struct ReasonMatch {
+    exact: Option<String>,
+    contains: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFile {
+    #[serde(default)]
+    #[allow(dead_code)]
+    description: Option<String>,
+    cases: Vec<RawCase>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCase {
+    name: String,
+    body: Option<String>,
+    json: Option<Json>,
+    body_hex: Option<String>,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    routing_key: Option<String>,
+    #[serde(default)]
+    exchange: String,
+    message_id: Option<String>,
+    #[serde(default)]
+    redelivered: bool,
+    expect: RawExpect,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "outcome", rename_all = "kebab-case", deny_unknown_fields)]
+enum RawExpect {
+    Decision {
+        key: String,
+        effects: Option<Vec<Json>>,
+    },
+    Skip {
+        reason: Option<String>,
+        reason_contains: Option<String>,
+    },
+    Failure {
+        kind: Option<RawKind>,
+        reason: Option<String>,
+        reason_contains: Option<String>,
+    },
+    Error {
+        reason: Option<String>,
+        reason_contains: Option<String>,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum RawKind {
+    InvalidInput,
+    Retryable,
+}
+
+/// Reads and checks a case file: every expected effect must be well formed and every case
+/// named once, so a typo is reported before any plugin runs.
+pub fn load(path: &Path) -> Result<Vec<Case>, CaseFileError> {
+    let text = std::fs::read_to_string(path).map_err(|source| CaseFileError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(&text).map_err(|message| CaseFileError::Invalid {
+        path: path.to_path_buf(),
+        message,
+    })
+}
+
+/// Parses case-file text (see [`load`]).
+pub fn parse(text: &str) -> Result<Vec<Case>, String> {
+    let file: RawFile = serde_json::from_str(text).map_err(|error| error.to_string())?;
+    let mut seen = std::collections::HashSet::new();
+    file.cases
+        .into_iter()
+        .enumerate()
+        .map(|(index, raw)| {
+            let name = raw.name.clone();
+            if !seen.insert(name.clone()) {
+                return Err(format!(
+                    "case {} ({name:?}): another case has this name",
+                    index + 1
+                ));
+            }
+            Case::from_raw(raw)
+                .map_err(|problem| format!("case {} ({name:?}): {problem}", index + 1))
+        })
+        .collect()
+}
+
+impl Case {
+    fn from_raw(raw: RawCase) -> Result<Case, String> {
+        let body = match (raw.body, raw.json, raw.body_hex) {
+            (Some(body), None, None) => body.into_bytes(),
+            (None, Some(json), None) => json.to_string().into_bytes(),
+            (None, None, Some(hex)) => {
+                decode_hex(&hex).map_err(|problem| format!("body_hex: {problem}"))?
+            }
+            _ => return Err("give the message as exactly one of body, json or body_hex".into()),
+        };
+        let reason = |exact, contains| ReasonMatch { exact, contains };
+        let expect = match raw.expect {
+            RawExpect::Decision { key, effects } => {
+                let effects = effects
+                    .map(|effects| {
+                        effects
+                            .iter()
+                            .enumerate()
+                            .map(|(index, effect)| {
+                                parse_effect(effect)
+                                    .map(|effect| effect_json(&effect))
+                                    .map_err(|problem| {
+                                        format!("expect.effects[{index}]: {problem}")
+                                    })
+                            })
+                            .collect::<Result<Vec<_>, _>>()
+                    })
+                    .transpose()?;
+                Expected::Decision { key, effects }
+            }
+            RawExpect::Skip {
+                reason: exact,
+                reason_contains,
+            } => Expected::Skip(reason(exact, reason_contains)),
+            RawExpect::Failure {
+                kind,
+                reason: exact,
+                reason_contains,
+            } => Expected::Failure {
+                kind: kind.map(|kind| match kind {
+                    RawKind::InvalidInput => FailureKind::InvalidInput,
+                    RawKind::Retryable => FailureKind::Retryable,
+                }),
+                reason: reason(exact, reason_contains),
+            },
+            RawExpect::Error {
+                reason: exact,
+                reason_contains,
+            } => Expected::Error(reason(exact, reason_contains)),
+        };
+        Ok(Case {
+            name: raw.name,
+            body,
+            headers: raw.headers.into_iter().collect(),
+            routing_key: raw.routing_key,
+            exchange: raw.exchange,
+            message_id: raw.message_id,
+            redelivered: raw.redelivered,
+            expect,
+        })
+    }
+
+    /// The delivery this case describes, as pipeline `pipeline` would receive it; the routing
+    /// key is `routing_key` unless the case gives one.
+    pub fn message(&self, pipeline: &str, routing_key: &str) -> InboundMessage {
+        InboundMessage {
+            pipeline: pipeline.to_string(),
+            body: self.body.clone(),
+            headers: self.headers.clone(),
+            routing_key: self
+                .routing_key
+                .clone()
+                .unwrap_or_else(|| routing_key.to_string()),
+            exchange: self.exchange.clone(),
+            message_id: self.message_id.clone(),
+            redelivered: self.redelivered,
+        }
+    }
+
+    /// Every way `actual` differs from what the case expects, one line each naming the field;
+    /// empty when it matches.
+    pub fn differences(&self, actual: &Result<Outcome, PluginError>) -> Vec<String> {
+        let mut differences = Vec::new();
+        match (&self.expect, actual) {
+            (Expected::Decision { key, effects }, Ok(Outcome::Decision(decision))) => {
+                if *key != decision.key {
+                    differences.push(format!("key: expected {key:?}, got {:?}", decision.key));
+                }
+                if let Some(expected) = effects {
+                    let actual: Vec<Json> = decision.effects.iter().map(effect_json).collect();
+                    effect_differences(expected, &actual, &mut differences);
+                }
+            }
+            (Expected::Skip(reason), Ok(Outcome::Skip { reason: actual })) => {
+                reason.difference(actual, &mut differences);
+            }
+            (Expected::Failure { kind, reason }, Err(PluginError::Rejected(failure))) => {
+                if let Some(kind) = kind
+                    && *kind != failure.kind
+                {
+                    differences.push(format!(
+                        "kind: expected {}, got {} (reason: {:?})",
+                        kind.as_str(),
+                        failure.kind.as_str(),
+                        failure.reason
+                    ));
+                }
+                reason.difference(&failure.reason, &mut differences);
+            }
+            (Expected::Error(reason), Err(error)) if !matches!(error, PluginError::Rejected(_)) => {
+                reason.difference(&error.to_string(), &mut differences);
+            }
+            (expected, actual) => differences.push(format!(
+                "outcome: expected {}, got {}",
+                expected.outcome(),
+                summary(actual)
+            )),
+        }
+        differences
+    }
+}
+
+impl Expected {
+    fn outcome(&self) -> &'static str {
+        match self {
+            Expected::Decision { .. } => "decision",
+            Expected::Skip(_) => "skip",
+            Expected::Failure { .. } => "failure",
+            Expected::Error(_) => "error",
+        }
+    }
+}
+
+impl ReasonMatch {
+    fn difference(&self, actual: &str, differences: &mut Vec<String>) {
+        if let Some(exact) = &self.exact
+            && exact != actual
+        {
+            differences.push(format!("reason: expected {exact:?}, got {actual:?}"));
+        }
+        if let Some(fragment) = &self.contains
+            && !actual.contains(fragment.as_str())
+        {
+            differences.push(format!(
+                "reason: expected it to contain {fragment:?}, got {actual:?}"
+            ));
+        }
+    }
+}
+
+/// One line naming an outcome and what it carries.
+fn summary(actual: &Result<Outcome, PluginError>) -> String {
+    match actual {
+        Ok(Outcome::Decision(decision)) => format!(
+            "decision (key {:?}, {} effect(s))",
+            decision.key,
+            decision.effects.len()
+        ),
+        Ok(Outcome::Skip { reason }) => format!("skip ({reason:?})"),
+        Err(PluginError::Rejected(failure)) => {
+            format!("failure ({}: {:?})", failure.kind.as_str(), failure.reason)
+        }
+        Err(error) => format!("error ({error})"),
+    }
+}
+
+/// Effects compared one by one; an exec's parameters are named `$n` as in its SQL.
+fn effect_differences(expected: &[Json], actual: &[Json], differences: &mut Vec<String>) {
+    if expected.len() != actual.len() {
+        differences.push(format!(
+            "effects: expected {} effect(s), got {}",
+            expected.len(),
+            actual.len()
+        ));
+    }
+    for (index, pair) in expected.iter().zip(actual).enumerate() {
+        let (expected, actual) = pair;
+        if expected == actual {
+            continue;
+        }
+        let exec = |effect: &Json| {
+            effect.as_array().and_then(|pair| {
+                Some((
+                    pair.first()?.as_str()?.to_string(),
+                    pair.get(1)?.as_array()?.clone(),
+                ))
+            })
+        };
+        match (exec(expected), exec(actual)) {
+            (Some((statement, expected_params)), Some((actual_statement, actual_params)))
+                if statement == actual_statement
+                    && expected_params.len() == actual_params.len() =>
+            {
+                for (position, (expected, actual)) in
+                    expected_params.iter().zip(&actual_params).enumerate()
+                {
+                    if expected != actual {
+                        differences.push(format!(
+                            "effects[{index}] ({statement}) ${}: expected {expected}, got {actual}",
+                            position + 1
+                        ));
+                    }
+                }
+            }
+            _ => differences.push(format!(
+                "effects[{index}]: expected {expected}, got {actual}"
+            )),
+        }
+    }
+    for (index, extra) in actual.iter().enumerate().skip(expected.len()) {
+        differences.push(format!("effects[{index}]: not expected, got {extra}"));
+    }
+    for (index, missing) in expected.iter().enumerate().skip(actual.len()) {
+        differences.push(format!("effects[{index}]: expected {missing}, got none"));
+    }
+}
+
+/// Checks a decision's effects against a pipeline as `idem run` would before opening a
+/// transaction: statement names, parameter counts and types (the types the server declared
+/// when `statements` was prepared, or each value's own type when it was built from the
+/// config), outbox destinations, and the natural claim's statement.
+pub fn fit(
+    pipeline: &PipelineConfig,
+    statements: &StatementCatalog,
+    decision: &Decision,
+) -> Result<(), PlanError> {
+    Plan::build(pipeline, statements, decision, "", false).map(|_| ())
+}
+
+/// A plugin run on cases as a pipeline would run it.
+pub struct Trial<'a> {
+    pub runtime: &'a PluginRuntime,
+    pub plugin: &'a LoadedPlugin,
+    pub limits: &'a PluginLimits,
+    /// The pipeline name the plugin sees.
+    pub pipeline: &'a str,
+    /// The routing key of a case that gives none.
+    pub routing_key: &'a str,
+    /// When given, every decision's effects must also [`fit`] this pipeline.
+    pub fit: Option<(&'a PipelineConfig, &'a StatementCatalog)>,
+}
+
+impl Trial<'_> {
+    /// How the plugin's outcome for `case` differs from the expected one, and why its effects
+    /// would not run in the pipeline; empty when the case passes.
+    pub async fn differences(&self, case: &Case) -> Vec<String> {
+        let message = case.message(self.pipeline, self.routing_key);
+        let outcome = self
+            .runtime
+            .invoke(self.plugin, self.limits, &message)
+            .await;
+        let mut differences = case.differences(&outcome);
+        if let (Some((pipeline, statements)), Ok(Outcome::Decision(decision))) =
+            (self.fit, &outcome)
+            && let Err(error) = fit(pipeline, statements, decision)
+        {
+            differences.push(format!(
+                "effects: pipeline {:?} would reject this decision: {error}",
+                pipeline.name
+            ));
+        }
+        differences
+    }
+}
+
+/// An outcome as JSON: what `idem try` prints and a case's `expect` holds.
+pub fn outcome_json(actual: &Result<Outcome, PluginError>) -> Json {
+    match actual {
+        Ok(Outcome::Decision(decision)) => json!({
+            "outcome": "decision",
+            "key": decision.key,
+            "effects": decision.effects.iter().map(effect_json).collect::<Vec<_>>(),
+        }),
+        Ok(Outcome::Skip { reason }) => json!({ "outcome": "skip", "reason": reason }),
+        Err(PluginError::Rejected(failure)) => json!({
+            "outcome": "failure",
+            "kind": failure.kind.as_str(),
+            "reason": failure.reason,
+        }),
+        Err(error) => json!({ "outcome": "error", "reason": error.to_string() }),
+    }
+}
+
+/// `["statement", [params…]]` for an exec; `{"outbox": {…}}` for an outbox message.
+pub fn effect_json(effect: &Effect) -> Json {
+    match effect {
+        Effect::Exec { statement, params } => {
+            json!([statement, params.iter().map(value_json).collect::<Vec<_>>()])
+        }
+        Effect::Outbox(message) => json!({ "outbox": {
+            "destination": message.destination,
+            "payload": match std::str::from_utf8(&message.payload) {
+                Ok(text) => json!(text),
+                Err(_) => json!({ "bytes_hex": hex::encode(&message.payload) }),
+            },
+            "headers": message.headers.iter().map(|(name, value)| json!([name, value])).collect::<Vec<_>>(),
+            "key": message.key,
+        } }),
+    }
+}
+
+fn value_json(value: &Value) -> Json {
+    match value {
+        Value::Null => Json::Null,
+        Value::Boolean(flag) => json!(flag),
+        Value::Integer(integer) => json!(integer),
+        Value::Float(float) if float.is_finite() => json!(float),
+        Value::Float(float) => json!({ "float": float.to_string() }),
+        Value::Text(text) => json!(text),
+        Value::Json(text) => match serde_json::from_str::<Json>(text) {
+            Ok(document) => json!({ "json": document }),
+            Err(_) => json!({ "invalid_json": text }),
+        },
+        Value::Bytes(bytes) => json!({ "bytes_hex": hex::encode(bytes) }),
+        Value::Timestamp(micros) => match DateTime::from_timestamp_micros(*micros) {
+            Some(time) => json!({ "timestamp": time.to_rfc3339_opts(SecondsFormat::AutoSi, true) }),
+            None => json!({ "timestamp": micros }),
+        },
+    }
+}
+
+/// An effect written in a case (or printed by `idem try`) as host data.
+fn parse_effect(effect: &Json) -> Result<Effect, String> {
+    if let Some([statement, params]) = effect.as_array().map(Vec::as_slice) {
+        let statement = statement
+            .as_str()
+            .ok_or("an exec is [\"statement\", [params…]]: the statement name must be a string")?;
+        let params = params
+            .as_array()
+            .ok_or("an exec is [\"statement\", [params…]]: the parameters must be a list")?;
+        let params = params
+            .iter()
+            .enumerate()
+            .map(|(position, param)| {
+                parse_value(param).map_err(|problem| format!("${}: {problem}", position + 1))
+            })
+            .collect::<Result<_, _>>()?;
+        return Ok(Effect::Exec {
+            statement: statement.to_string(),
+            params,
+        });
+    }
+    if let Some(outbox) = effect.get("outbox") {
+        let text = |field: &str| outbox.get(field).and_then(Json::as_str).map(str::to_string);
+        let destination = text("destination").ok_or("outbox.destination must be a string")?;
+        let payload = match outbox.get("payload") {
+            Some(Json::String(text)) => text.clone().into_bytes(),
+            Some(Json::Object(tagged)) if tagged.len() == 1 && tagged.contains_key("bytes_hex") => {
+                decode_hex(tagged["bytes_hex"].as_str().unwrap_or_default())?
+            }
+            _ => return Err("outbox.payload must be a string or {\"bytes_hex\": \"…\"}".into()),
+        };
+        let headers = match outbox.get("headers") {
+            None | Some(Json::Null) => Vec::new(),
+            Some(Json::Array(pairs)) => pairs
+                .iter()
+                .map(|pair| match pair.as_array().map(Vec::as_slice) {
+                    Some([Json::String(name), Json::String(value)]) => {
+                        Ok((name.clone(), value.clone()))
+                    }
+                    _ => Err("outbox.headers holds [\"name\", \"value\"] pairs".to_string()),
+                })
+                .collect::<Result<_, _>>()?,
+            Some(Json::Object(map)) => map
+                .iter()
+                .map(|(name, value)| match value {
+                    Json::String(value) => Ok((name.clone(), value.clone())),
+                    _ => Err(format!("outbox.headers.{name} must be a string")),
+                })
+                .collect::<Result<_, _>>()?,
+            Some(_) => return Err("outbox.headers holds [\"name\", \"value\"] pairs".into()),
+        };
+        return Ok(Effect::Outbox(OutboxMessage {
+            destination,
+            payload,
+            headers,
+            key: text("key"),
+        }));
+    }
+    Err(format!(
+        "an effect is [\"statement\", [params…]] or {{\"outbox\": {{\"destination\": …, \"payload\": …}}}}, not {effect}"
+    ))
+}
+
+fn parse_value(param: &Json) -> Result<Value, String> {
+    const FORMS: &str = "a parameter is null, true/false, a number, a string, or {\"json\": …}, {\"bytes_hex\": \"…\"}, {\"timestamp\": \"2026-12-04T10:00:00Z\"}";
+    Ok(match param {
+        Json::Null => Value::Null,
+        Json::Bool(flag) => Value::Boolean(*flag),
+        Json::Number(number) => match (number.as_i64(), number.as_f64()) {
+            (Some(integer), _) => Value::Integer(integer),
+            (None, Some(_)) if number.is_u64() => {
+                return Err(format!("{number} is past the largest integer, 2^63-1"));
+            }
+            (None, Some(float)) => Value::Float(float),
+            (None, None) => return Err(format!("{number} is not a number idem can carry")),
+        },
+        Json::String(text) => Value::Text(text.clone()),
+        Json::Object(tagged) if tagged.len() == 1 => {
+            let (tag, inner) = tagged.iter().next().expect("one entry");
+            match (tag.as_str(), inner) {
+                ("json", document) => Value::Json(document.to_string()),
+                ("invalid_json", Json::String(text)) => Value::Json(text.clone()),
+                ("bytes_hex", Json::String(hex)) => Value::Bytes(decode_hex(hex)?),
+                ("timestamp", Json::String(time)) => Value::Timestamp(
+                    DateTime::parse_from_rfc3339(time)
+                        .map_err(|error| {
+                            format!(
+                                "timestamp {time:?}: {error} (RFC 3339, e.g. 2026-12-04T10:00:00Z)"
+                            )
+                        })?
+                        .timestamp_micros(),
+                ),
+                ("timestamp", Json::Number(micros)) => {
+                    Value::Timestamp(micros.as_i64().ok_or_else(|| {
+                        format!("timestamp {micros}: whole microseconds since the epoch")
+                    })?)
+                }
+                ("float", Json::String(special)) => Value::Float(
+                    special
+                        .parse()
+                        .map_err(|_| format!("float {special:?} is not a number"))?,
+                ),
+                ("float", Json::Number(number)) => {
+                    Value::Float(number.as_f64().unwrap_or(f64::NAN))
+                }
+                ("integer", Json::Number(number)) => Value::Integer(
+                    number
+                        .as_i64()
+                        .ok_or_else(|| format!("integer {number} is out of range"))?,
+                ),
+                ("text", Json::String(text)) => Value::Text(text.clone()),
+                ("boolean", Json::Bool(flag)) => Value::Boolean(*flag),
+                ("null", Json::Null) => Value::Null,
+                _ => return Err(format!("{param} is not a parameter: {FORMS}")),
+            }
+        }
+        _ => return Err(format!("{param} is not a parameter: {FORMS}")),
+    })
+}
+
+fn decode_hex(text: &str) -> Result<Vec<u8>, String> {
+    let digits: String = text
+        .chars()
+        .filter(|character| !character.is_whitespace())
+        .collect();
+    hex::decode(&digits).map_err(|error| format!("{text:?} is not hex: {error}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::effect::Failure;
+
+    fn decision(key: &str, effects: Vec<Effect>) -> Result<Outcome, PluginError> {
+        Ok(Outcome::Decision(Decision {
+            key: key.into(),
+            effects,
+        }))
+    }
+
+    fn exec(statement: &str, params: Vec<Value>) -> Effect {
+        Effect::Exec {
+            statement: statement.into(),
+            params,
+        }
+    }
+
+    fn one(text: &str) -> Case {
+        let mut cases = parse(text).unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!(cases.len(), 1);
+        cases.remove(0)
+    }
+
+    #[test]
+    fn a_decision_is_compared_field_by_field() {
+        let case = one(r#"{"cases": [{"name": "valid", "json": {"order_id": 1},
+                "expect": {"outcome": "decision", "key": "order:1",
+                           "effects": [["credit", [7, 50]], ["note", [{"json": {"a": [1, 2]}}, null, 1.5, "x"]]]}}]}"#);
+        assert_eq!(case.message("loyalty", "orders").body, br#"{"order_id":1}"#);
+        let json_param = Value::Json("{ \"a\" : [1,2] }".into());
+        let matching = decision(
+            "order:1",
+            vec![
+                exec("credit", vec![Value::Integer(7), Value::Integer(50)]),
+                exec(
+                    "note",
+                    vec![
+                        json_param.clone(),
+                        Value::Null,
+                        Value::Float(1.5),
+                        Value::Text("x".into()),
+                    ],
+                ),
+            ],
+        );
+        assert_eq!(case.differences(&matching), Vec::<String>::new());
+        let off = decision(
+            "order:2",
+            vec![
+                exec("credit", vec![Value::Integer(7), Value::Integer(5)]),
+                exec(
+                    "note",
+                    vec![
+                        json_param,
+                        Value::Null,
+                        Value::Integer(1),
+                        Value::Text("x".into()),
+                    ],
+                ),
+                exec("extra", vec![]),
+            ],
+        );
+        assert_eq!(
+            case.differences(&off),
+            vec![
+                "key: expected \"order:1\", got \"order:2\"",
+                "effects: expected 2 effect(s), got 3",
+                "effects[0] (credit) $2: expected 50, got 5",
+                "effects[1] (note) $3: expected 1.5, got 1",
+                "effects[2]: not expected, got [\"extra\",[]]",
+            ]
+        );
+    }
+
+    #[test]
+    fn skips_failures_and_errors_match_on_kind_and_reason() {
+        let case = one(
+            r#"{"cases": [{"name": "bad", "body": "{", "headers": {"tenant": "eu"}, "redelivered": true,
+                "expect": {"outcome": "failure", "kind": "invalid-input", "reason_contains": "not valid JSON"}}]}"#,
+        );
+        let message = case.message("loyalty", "orders");
+        assert_eq!(
+            message.headers,
+            vec![("tenant".to_string(), "eu".to_string())]
+        );
+        assert!(message.redelivered);
+        assert_eq!(message.routing_key, "orders");
+        let rejected = |kind, reason: &str| {
+            Err(PluginError::Rejected(Failure {
+                kind,
+                reason: reason.into(),
+            }))
+        };
+        assert!(
+            case.differences(&rejected(
+                FailureKind::InvalidInput,
+                "body is not valid JSON"
+            ))
+            .is_empty()
+        );
+        assert_eq!(
+            case.differences(&rejected(FailureKind::Retryable, "database busy")),
+            vec![
+                "kind: expected invalid-input, got retryable (reason: \"database busy\")",
+                "reason: expected it to contain \"not valid JSON\", got \"database busy\"",
+            ]
+        );
+        assert_eq!(
+            case.differences(&decision("k", vec![])),
+            vec!["outcome: expected failure, got decision (key \"k\", 0 effect(s))"]
+        );
+        let skip = one(
+            r#"{"cases": [{"name": "s", "body": "", "expect": {"outcome": "skip", "reason": "not mine"}}]}"#,
+        );
+        assert!(
+            skip.differences(&Ok(Outcome::Skip {
+                reason: "not mine".into()
+            }))
+            .is_empty()
+        );
+        assert_eq!(
+            skip.differences(&Ok(Outcome::Skip {
+                reason: "other".into()
+            })),
+            vec!["reason: expected \"not mine\", got \"other\""]
+        );
+    }
+
+    #[test]
+    fn every_value_round_trips_through_its_json_form() {
+        let values = vec![
+            Value::Null,
+            Value::Boolean(true),
+            Value::Integer(i64::MIN),
+            Value::Float(-2.5),
+            Value::Float(f64::INFINITY),
+            Value::Text("café".into()),
+            Value::Json("{\"a\":1}".into()),
+            Value::Bytes(vec![0, 255, 16]),
+            Value::Timestamp(1_700_000_000_123_456),
+        ];
+        let effect = exec("all", values);
+        let rendered = effect_json(&effect);
+        assert_eq!(parse_effect(&rendered), Ok(effect));
+        let outbox = Effect::Outbox(OutboxMessage {
+            destination: "billing".into(),
+            payload: vec![0xff, 0x00],
+            headers: vec![("a".into(), "b".into())],
+            key: Some("k".into()),
+        });
+        assert_eq!(parse_effect(&effect_json(&outbox)), Ok(outbox));
+    }
+
+    #[test]
+    fn mistakes_in_a_case_file_are_named() {
+        for (text, fragment) in [
+            (
+                r#"{"cases": [{"name": "a", "expect": {"outcome": "skip"}}]}"#,
+                "case 1 (\"a\"): give the message as exactly one of body, json or body_hex",
+            ),
+            (
+                r#"{"cases": [{"name": "a", "body": "", "expect": {"outcome": "skip", "reason_contain": "x"}}]}"#,
+                "unknown field `reason_contain`",
+            ),
+            (
+                r#"{"cases": [{"name": "a", "body": "", "expect": {"outcome": "failure", "kind": "fatal"}}]}"#,
+                "unknown variant `fatal`",
+            ),
+            (
+                r#"{"cases": [{"name": "a", "body": "", "expect": {"outcome": "decision", "key": "k", "effects": [["s", [[1]]]]}}]}"#,
+                "case 1 (\"a\"): expect.effects[0]: $1: [1] is not a parameter",
+            ),
+            (
+                r#"{"cases": [{"name": "a", "body": "", "expect": {"outcome": "decision", "key": "k", "effects": [["s", [18446744073709551615]]]}}]}"#,
+                "past the largest integer",
+            ),
+            (
+                r#"{"cases": [{"name": "a", "body_hex": "0g", "expect": {"outcome": "skip"}}]}"#,
+                "body_hex: \"0g\" is not hex",
+            ),
+            (
+                r#"{"cases": [{"name": "a", "body": "", "expect": {"outcome": "skip"}}, {"name": "a", "body": "", "expect": {"outcome": "skip"}}]}"#,
+                "case 2 (\"a\"): another case has this name",
+            ),
+        ] {
+            let error = parse(text).expect_err(text);
+            assert!(error.contains(fragment), "{error:?} lacks {fragment:?}");
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Dead-letter triage from the command line: `idem dlq list/show/replay` on a dead-letter
+//! queue holding messages of three error kinds.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use idem_e2e::{TestEnv, idem_binary, wait_for};
+
+fn idem(config: &Path, args: &[&str]) -> (bool, String) {
+    let output = Command::new(idem_binary())
+        .args(args)
+        .args(["--pipeline", "loyalty", "--config"])
+        .arg(config)
+        .output()
+        .expect("run idem");
+    (
+        output.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ),
+    )
+}
+
+/// The kinds of the dead letters `idem dlq list --json` shows, in queue order.
+fn listed_kinds(config: &Path, filter: &[&str]) -> Vec<String> {
+    let mut args = vec!["dlq", "list", "--json"];
+    args.extend_from_slice(filter);
+    let output = Command::new(idem_binary())
+        .args(&args)
+        .args(["--pipeline", "loyalty", "--config"])
+        .arg(config)
+        .output()
+        .expect("run idem");
+    assert!(output.status.success(), "{output:?}");
+    let letters: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON list");
+    letters
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|letter| letter["kind"].as_str().unwrap_or("-").to_string())
+        .collect()
+}
+
+/// Seven dead letters of three kinds (invalid-input, plugin-trap, sql): `list` shows each
+/// with its reason and returns them in order; `--kind` filters; `replay --dry-run` moves
+/// nothing; `replay --kind sql` moves only those, which apply once after the cause (a
+/// constraint) is removed, while the others stay in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_filtered_and_replayed_by_kind() {
+    let env = TestEnv::new("dlq_triage").await;
+    sqlx::query("ALTER TABLE point_ledger ADD CONSTRAINT small_credits CHECK (points < 100)")
+        .execute(&env.pool)
+        .await
+        .expect("add constraint");
+    let config = env.write_config("chaos", "max_attempts = 1");
+    let host = env.start_host(env.config("chaos", "max_attempts = 1"));
+    let big_credit = |order: i64| {
+        format!(
+            r#"{{"key": "order:{order}", "effects": [{{"statement": "record_ledger", "params": [1, {order}, 500]}}]}}"#
+        )
+    };
+    let bodies = [
+        big_credit(1),
+        r#"{"action": "invalid"}"#.to_string(),
+        r#"{"action": "trap"}"#.to_string(),
+        big_credit(2),
+        r#"{"action": "invalid"}"#.to_string(),
+        big_credit(3),
+        r#"{"action": "trap"}"#.to_string(),
+    ];
+    for body in &bodies {
+        env.publish(body.as_bytes()).await;
+    }
+    wait_for("seven dead letters", Duration::from_secs(60), || async {
+        env.ready(&env.dead_letter_queue).await == 7
+    })
+    .await;
+    // The host consumes one by one in order, but dead-letters concurrently: read the order.
+    let everything = listed_kinds(&config, &[]);
+    assert_eq!(everything.len(), 7, "{everything:?}");
+    let mut sorted = everything.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        [
+            "invalid-input",
+            "invalid-input",
+            "plugin-trap",
+            "plugin-trap",
+            "sql",
+            "sql",
+            "sql"
+        ]
+    );
+
+    let (listed, table) = idem(&config, &["dlq", "list"]);
+    assert!(listed, "{table}");
+    for reason in [
+        "chaos plugin asked to fail",
+        "plugin trapped",
+        "statement \"record_ledger\" failed, claim rolled back",
+    ] {
+        assert!(table.contains(reason), "{reason:?} missing:\n{table}");
+    }
+    assert!(table.contains("nothing was moved"), "{table}");
+    // Looking moved nothing and kept the order.
+    assert_eq!(env.ready(&env.dead_letter_queue).await, 7);
+    assert_eq!(listed_kinds(&config, &[]), everything);
+    assert_eq!(
+        listed_kinds(&config, &["--kind", "sql"]),
+        ["sql", "sql", "sql"]
+    );
+    assert_eq!(
+        listed_kinds(&config, &["--reason", "plugin trapped"]),
+        ["plugin-trap", "plugin-trap"]
+    );
+    assert_eq!(listed_kinds(&config, &["--since", "1h"]).len(), 7);
+
+    let first_sql = everything
+        .iter()
+        .position(|kind| kind == "sql")
+        .expect("an sql dead letter")
+        + 1;
+    let (shown, detail) = idem(&config, &["dlq", "show", &first_sql.to_string()]);
+    assert!(shown, "{detail}");
+    assert!(
+        detail.contains("kind         sql")
+            && detail.contains("small_credits")
+            && detail.contains("x-idem-reason")
+            && detail.contains("\"record_ledger\""),
+        "{detail}"
+    );
+
+    let (dry, said) = idem(&config, &["dlq", "replay", "--kind", "sql", "--dry-run"]);
+    assert!(dry, "{said}");
+    assert!(said.contains("would replay 3 message(s)"), "{said}");
+    assert_eq!(env.ready(&env.dead_letter_queue).await, 7);
+
+    // The cause is fixed; only the sql dead letters go back, and they apply once.
+    sqlx::query("ALTER TABLE point_ledger DROP CONSTRAINT small_credits")
+        .execute(&env.pool)
+        .await
+        .expect("drop constraint");
+    let (replayed, said) = idem(&config, &["dlq", "replay", "--kind", "sql"]);
+    assert!(replayed, "{said}");
+    assert!(said.contains("replayed 3 message(s)"), "{said}");
+    wait_for("three credits", Duration::from_secs(30), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 3
+    })
+    .await;
+    let others: Vec<String> = everything
+        .iter()
+        .filter(|kind| *kind != "sql")
+        .cloned()
+        .collect();
+    assert_eq!(
+        listed_kinds(&config, &[]),
+        others,
+        "the rest stayed, in order"
+    );
+    // Replaying them again changes nothing: the claims make them duplicates.
+    assert_eq!(
+        env.count("SELECT count(DISTINCT order_id) FROM point_ledger")
+            .await,
+        3
+    );
+    let (_, said) = idem(&config, &["dlq", "replay", "--kind", "sql"]);
+    assert!(said.contains("replayed 0 message(s)"), "{said}");
+    host.stop().await.expect("host stops");
+    let _ = std::fs::remove_file(config);
+    env.cleanup().await;
+}
