@@ -43,6 +43,21 @@ fn idem_test(plugin: &Path, cases: &Path) -> Ran {
     ])
 }
 
+/// `idem try --config <config> --pipeline loyalty --message <message>` and `extra` flags.
+fn idem_try(config: &Path, message: &Path, extra: &[&str]) -> Ran {
+    let mut args = vec![
+        OsStr::new("try"),
+        OsStr::new("--config"),
+        config.as_os_str(),
+        OsStr::new("--pipeline"),
+        OsStr::new("loyalty"),
+        OsStr::new("--message"),
+        message.as_os_str(),
+    ];
+    args.extend(extra.iter().map(OsStr::new));
+    idem(args)
+}
+
 fn temp_file(env: &TestEnv, name: &str, text: &str) -> PathBuf {
     let path = std::env::temp_dir().join(format!("{}-{name}", env.database));
     std::fs::write(&path, text).expect("write temp file");
@@ -118,24 +133,21 @@ async fn try_and_test_pass_delivery_properties_to_the_plugin() {
     let env = TestEnv::new("kit_delivery").await;
     let config = env.write_config("chaos", "");
     let message = temp_file(&env, "describe.json", r#"{"action": "describe"}"#);
-    let ran = idem([
-        OsStr::new("try"),
-        OsStr::new("--config"),
-        config.as_os_str(),
-        OsStr::new("--pipeline"),
-        OsStr::new("loyalty"),
-        OsStr::new("--message"),
-        message.as_os_str(),
-        OsStr::new("--header"),
-        OsStr::new("tenant=eu"),
-        OsStr::new("--header"),
-        OsStr::new("trace=a=b"),
-        OsStr::new("--routing-key"),
-        OsStr::new("orders.eu"),
-        OsStr::new("--message-id"),
-        OsStr::new("m-1"),
-        OsStr::new("--redelivered"),
-    ]);
+    let ran = idem_try(
+        &config,
+        &message,
+        &[
+            "--header",
+            "tenant=eu",
+            "--header",
+            "trace=a=b",
+            "--routing-key",
+            "orders.eu",
+            "--message-id",
+            "m-1",
+            "--redelivered",
+        ],
+    );
     assert!(ran.success, "{}{}", ran.stdout, ran.stderr);
     let outcome: serde_json::Value = serde_json::from_str(&ran.stdout).expect("JSON outcome");
     assert_eq!(outcome["outcome"], "skip");
@@ -194,15 +206,7 @@ async fn effects_that_do_not_fit_the_pipeline_are_reported_before_run() {
         "order.json",
         r#"{"order_id": 9912, "customer_id": 7, "total_cents": 5000}"#,
     );
-    let tried = idem([
-        OsStr::new("try"),
-        OsStr::new("--config"),
-        config.as_os_str(),
-        OsStr::new("--pipeline"),
-        OsStr::new("loyalty"),
-        OsStr::new("--message"),
-        message.as_os_str(),
-    ]);
+    let tried = idem_try(&config, &message, &[]);
     assert!(!tried.success, "{}", tried.stdout);
     assert!(
         tried.stderr.contains(
@@ -291,21 +295,8 @@ async fn effects_that_do_not_fit_the_pipeline_are_reported_before_run() {
         "echo.json",
         r#"{"key": "k", "effects": [{"statement": "stamp", "params": ["seven"]}]}"#,
     );
-    let try_echo = |offline: bool| {
-        let mut args = vec![
-            OsStr::new("try"),
-            OsStr::new("--config"),
-            typed.as_os_str(),
-            OsStr::new("--pipeline"),
-            OsStr::new("loyalty"),
-            OsStr::new("--message"),
-            echo.as_os_str(),
-        ];
-        if offline {
-            args.push(OsStr::new("--offline"));
-        }
-        idem(args)
-    };
+    let try_echo =
+        |offline: bool| idem_try(&typed, &echo, if offline { &["--offline"] } else { &[] });
     let online = try_echo(false);
     assert!(!online.success);
     assert!(

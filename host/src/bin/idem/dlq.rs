@@ -82,7 +82,11 @@ async fn show(
     as_json: bool,
 ) -> anyhow::Result<ExitCode> {
     let mut found = None;
-    let everything = Selection::default();
+    // The messages up to the one asked for: the rest of the queue is not taken.
+    let everything = Selection {
+        limit: Some(position),
+        ..Selection::default()
+    };
     dead_letters::pass(
         &config.amqp,
         pipeline,
