@@ -25,10 +25,28 @@ use crate::outbox::{self, OutboxError, OutboxRow};
 use crate::session::{Session, SessionError, SessionPool};
 use crate::statement::{BoundEffect, EffectError, StatementCatalog};
 
+/// What `begin` adds to the transaction's opening: a mark the host's claims look for.
+const MARK_OPEN: &str = "SET LOCAL idem.transaction = 'open'";
+
+/// The condition every host claim is written under: the transaction `begin` opened and
+/// marked (`MARK_OPEN`) is open. A flight's statements are each synced on their own, so if
+/// `BEGIN` failed (a cancel landing on it, say), the statements after it in its flight run
+/// outside any transaction and commit alone. Under this condition a claim then writes
+/// nothing, and the flight's error, `BEGIN`'s, has the message retried.
+macro_rules! inside_open_transaction {
+    () => {
+        "current_setting('idem.transaction', true) = 'open'"
+    };
+}
+
 /// The guide's Step 2 claim: zero rows affected means another delivery already applied it.
 /// The claim also records which plugin build decided (`plugin_digest`).
-const CLAIM_SQL: &str = "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
-     VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
+const CLAIM_SQL: &str = concat!(
+    "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
+     SELECT $1, $2, $3 WHERE ",
+    inside_open_transaction!(),
+    " ON CONFLICT DO NOTHING"
+);
 
 /// What the transaction decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,10 +102,14 @@ impl LedgerError {
 /// must see what a lock holder committed: a statement's snapshot predates its own lock wait.
 const PARTITIONED_LOCK_SQL: &str =
     "SELECT pg_advisory_xact_lock(hashtextextended($1 || chr(31) || $2, 0))";
-const PARTITIONED_CLAIM_SQL: &str = "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
+const PARTITIONED_CLAIM_SQL: &str = concat!(
+    "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
      SELECT $1, $2, $3 WHERE NOT EXISTS \
        (SELECT 1 FROM processed_messages WHERE consumer = $1 AND message_key = $2) \
-     ON CONFLICT DO NOTHING";
+     AND ",
+    inside_open_transaction!(),
+    " ON CONFLICT DO NOTHING"
+);
 
 /// How the transaction recognises a message it already applied.
 #[derive(Debug, Clone, Copy)]
@@ -208,8 +230,9 @@ impl<'a> Plan<'a> {
 }
 
 /// Runs `plan` in one transaction, in two flights (see `Flight`): `BEGIN` with the claim,
-/// then, only if the claim is new, the effects, the outbox rows and `COMMIT`. The whole
-/// transaction is bounded by `settings.timeout`.
+/// then, only if the claim is new, the effects, the outbox rows and `COMMIT`. A natural or
+/// `none` claim waits for `BEGIN`'s reply before its first flight (see `open`). The
+/// whole transaction is bounded by `settings.timeout`.
 pub async fn apply(
     sessions: &SessionPool,
     settings: &TransactionConfig,
@@ -227,13 +250,17 @@ async fn apply_on(
     plan: &Plan<'_>,
 ) -> Result<ClaimOutcome, LedgerError> {
     let work = Work::prepare(session, plan, true).await?;
-    let begin = settings.begin_sql();
+    let begin = begin_sql(settings);
     session.set_in_transaction(true);
     let client = session.client();
-    let mut first = Flight::new(client);
-    first.simple(&begin, "begin");
-    work.decide(&mut first);
-    let decided = match first.send().await {
+    let sent = match open(Flight::new(client), &begin, work.claims()).await {
+        Ok(mut first) => {
+            work.decide(&mut first);
+            first.send().await
+        }
+        Err(error) => Err(error),
+    };
+    let decided = match sent {
         Ok(replies) => work.outcome(&replies),
         Err(error) => {
             rollback(session).await?;
@@ -317,10 +344,14 @@ fn release<T>(
 
 /// The claims of every ledger plan in one statement, in byte order of the key (the order
 /// every host and the savepoint path take them in); returns the keys that were new.
-const BULK_CLAIM_SQL: &str = "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
+const BULK_CLAIM_SQL: &str = concat!(
+    "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
      SELECT $1, claim.key, claim.digest FROM unnest($2::text[], $3::text[]) AS claim(key, digest) \
-     ORDER BY claim.key COLLATE \"C\" \
-     ON CONFLICT DO NOTHING RETURNING message_key";
+     WHERE ",
+    inside_open_transaction!(),
+    " ORDER BY claim.key COLLATE \"C\" \
+     ON CONFLICT DO NOTHING RETURNING message_key"
+);
 
 /// The fast path, in two flights: `BEGIN` with all ledger claims in one statement, then
 /// every new message's effects with no savepoint, and `COMMIT`. `Ok(None)` when an effect
@@ -365,7 +396,7 @@ async fn apply_batch_optimistic(
             works.push((index, Work::prepare(session, plans[index], false).await?));
         }
     }
-    let begin = settings.begin_sql();
+    let begin = begin_sql(settings);
     let claim_params: [&(dyn ToSql + Sync); 3] = [&consumer, &claim_keys, &claim_digests];
     session.set_in_transaction(true);
     let client = session.client();
@@ -446,7 +477,7 @@ async fn apply_batch_isolating(
         }
         works.push((index, Work::prepare(session, plan, true).await?));
     }
-    let begin = settings.begin_sql();
+    let begin = begin_sql(settings);
     session.set_in_transaction(true);
     match run_isolated(session.client(), &begin, &works, &mut items).await {
         Ok(isolated) if isolated.applied > 0 => {
@@ -482,11 +513,18 @@ async fn run_isolated(
     items: &mut [Option<BatchItem>],
 ) -> Result<Isolated, LedgerError> {
     let mut prefix = format!("{begin}; {SAVEPOINT}");
+    let mut opened = false;
     let mut applied = 0;
     let mut undo_last = false;
     for (index, work) in works {
-        let mut first = Flight::new(client);
-        first.simple(&prefix, "savepoint");
+        let mut first = if opened {
+            let mut first = Flight::new(client);
+            first.simple(&prefix, "savepoint");
+            first
+        } else {
+            opened = true;
+            open(Flight::new(client), &prefix, work.claims()).await?
+        };
         work.decide(&mut first);
         let outcome = match first.send().await {
             Ok(replies) => work.outcome(&replies),
@@ -530,6 +568,33 @@ async fn commit_isolated(client: &Client, undo_last: bool) -> Result<(), LedgerE
     Failpoint::BeforeCommit.hit();
     last.commit();
     last.send().await.map(drop)
+}
+
+/// The statements that open a transaction: isolation and server-side timeouts, then the
+/// mark the claims look for (`inside_open_transaction!`).
+fn begin_sql(settings: &TransactionConfig) -> String {
+    format!("{}; {MARK_OPEN}", settings.begin_sql())
+}
+
+/// Opens the transaction with `begin`: at the head of `flight` when what follows it is a host
+/// claim, which writes nothing outside the transaction; otherwise (a natural or `none` claim
+/// decides with the plugin's own statements, which could commit alone if `BEGIN` failed)
+/// alone first, waiting for its reply. Returns the flight to add the deciding statements to.
+async fn open<'f>(
+    mut flight: Flight<'f>,
+    begin: &'f str,
+    claims: bool,
+) -> Result<Flight<'f>, LedgerError> {
+    if claims {
+        flight.simple(begin, "begin");
+    } else {
+        flight
+            .client
+            .batch_execute(begin)
+            .await
+            .map_err(|source| classify(source.into(), "begin", Origin::Host))?;
+    }
+    Ok(flight)
 }
 
 /// Ends the open transaction without keeping anything.
@@ -610,6 +675,12 @@ impl<'p> Work<'p> {
             effects,
             outbox,
         })
+    }
+
+    /// Whether `decide` runs a host claim (guarded by `inside_open_transaction!`) rather than
+    /// the plugin's statements.
+    fn claims(&self) -> bool {
+        self.claim.is_some()
     }
 
     /// The statements that tell whether the message applies: the ledger claim (after its
@@ -872,5 +943,57 @@ fn classify(source: SessionError, statement: &str, origin: Origin) -> LedgerErro
             statement: statement.to_string(),
             source,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The server the test suite runs against (`scripts/services.sh` starts it).
+    fn admin_url() -> String {
+        std::env::var("IDEM_TEST_PG_ADMIN_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+    }
+
+    /// Every host claim, run as if its flight's `BEGIN` had failed (outside any transaction),
+    /// writes nothing; run after `begin_sql`, it claims. On a temporary `processed_messages`,
+    /// which shadows any other for this connection alone.
+    #[tokio::test]
+    async fn claims_write_nothing_outside_the_open_transaction() {
+        let (client, connection) = tokio_postgres::connect(&admin_url(), tokio_postgres::NoTls)
+            .await
+            .expect("PostgreSQL (scripts/services.sh starts it)");
+        let driver = tokio::spawn(connection);
+        client
+            .batch_execute(
+                "CREATE TEMPORARY TABLE processed_messages (consumer text, message_key text, \
+                 plugin_digest text, PRIMARY KEY (consumer, message_key))",
+            )
+            .await
+            .expect("temporary ledger");
+        let begin = begin_sql(&TransactionConfig::default());
+        let keys = vec!["k".to_string()];
+        let digests = vec!["d".to_string()];
+        let claims: [(&str, [&(dyn ToSql + Sync); 3]); 3] = [
+            (CLAIM_SQL, [&"c", &"k", &"d"]),
+            (PARTITIONED_CLAIM_SQL, [&"c", &"k", &"d"]),
+            (BULK_CLAIM_SQL, [&"c", &keys, &digests]),
+        ];
+        for (sql, values) in claims {
+            let alone = client.execute(sql, &values).await.expect("claim alone");
+            assert_eq!(alone, 0, "claimed outside the transaction: {sql}");
+            client.batch_execute(&begin).await.expect("begin");
+            let inside = client.execute(sql, &values).await.expect("claim inside");
+            assert_eq!(inside, 1, "no claim inside the transaction: {sql}");
+            client.batch_execute("ROLLBACK").await.expect("rollback");
+            let marked = client
+                .query_one("SELECT current_setting('idem.transaction', true)", &[])
+                .await
+                .expect("mark");
+            assert_ne!(marked.get::<_, Option<String>>(0).as_deref(), Some("open"));
+        }
+        drop(client);
+        driver.await.expect("driver").expect("connection");
     }
 }
