@@ -10,9 +10,9 @@ use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use idem_host::effect::Outcome;
-use idem_host::ledger::Plan;
 use idem_host::message::InboundMessage;
-use idem_host::plugin::PluginRuntime;
+use idem_host::sandbox::PluginRuntime;
+use idem_host::store::ledger::Plan;
 
 fn host_overhead(criterion: &mut Criterion) {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -55,7 +55,8 @@ fn host_overhead(criterion: &mut Criterion) {
                     pipeline: pipeline.name.clone(),
                     body: black_box(idem_bench::order_body(9912)),
                     headers: vec![("x-idem-attempt".into(), "1".into())],
-                    routing_key: pipeline.queue.clone(),
+                    queue: pipeline.queue.clone(),
+                    subject: pipeline.queue.clone(),
                     ..InboundMessage::default()
                 })
             });

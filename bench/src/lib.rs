@@ -71,7 +71,7 @@ pub async fn loyalty_database(
     admin_url: &str,
     database_url: &str,
     pipeline: &idem_host::config::PipelineConfig,
-) -> (sqlx::PgPool, idem_host::statement::StatementCatalog) {
+) -> (sqlx::PgPool, idem_host::store::statement::StatementCatalog) {
     const SCHEMA: &str = include_str!("../../examples/loyalty/schema.sql");
     let admin = sqlx::PgPool::connect(admin_url)
         .await
@@ -88,7 +88,7 @@ pub async fn loyalty_database(
     let pool = sqlx::PgPool::connect(database_url)
         .await
         .expect("bench database");
-    idem_host::database::MIGRATOR
+    idem_host::store::database::MIGRATOR
         .run(&pool)
         .await
         .expect("migrations");
@@ -97,7 +97,7 @@ pub async fn loyalty_database(
         .execute(&pool)
         .await
         .expect("empty tables");
-    let catalog = idem_host::statement::StatementCatalog::prepare(&pool, pipeline)
+    let catalog = idem_host::store::statement::StatementCatalog::prepare(&pool, pipeline)
         .await
         .expect("statements prepare");
     (pool, catalog)

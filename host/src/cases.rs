@@ -6,7 +6,7 @@
 //! { "cases": [
 //!   { "name": "valid order",
 //!     "json": { "order_id": 9912, "customer_id": 7, "total_cents": 5000 },
-//!     "headers": { "tenant": "eu" }, "routing_key": "orders", "redelivered": false,
+//!     "headers": { "tenant": "eu" }, "subject": "orders", "redelivered": false,
 //!     "expect": { "outcome": "decision", "key": "order-completed:9912",
 //!                 "effects": [ ["credit_balance", [7, 50]] ] } },
 //!   { "name": "refund", "body": "{\"type\": \"RefundIssued\"}",
@@ -15,6 +15,10 @@
 //!     "expect": { "outcome": "failure", "kind": "invalid-input", "reason_contains": "JSON" } }
 //! ] }
 //! ```
+//!
+//! A message may also give `message_id`, `delivery_count`, `attributes` (a map of source
+//! attributes), and, for RabbitMQ, `routing_key` (the subject) and `exchange`; what it leaves
+//! out is what a plain publish to the pipeline's queue carries.
 //!
 //! A statement parameter is written as JSON: `null`, `true`, `7` (integer), `7.5` (float),
 //! `"text"`, or tagged: `{"json": …}`, `{"bytes_hex": "00ff"}`,
@@ -29,10 +33,11 @@ use serde_json::{Value as Json, json};
 
 use crate::config::{PipelineConfig, PluginLimits};
 use crate::effect::{Decision, Effect, FailureKind, OutboxMessage, Outcome, Value};
-use crate::ledger::{Plan, PlanError};
 use crate::message::InboundMessage;
-use crate::plugin::{LoadedPlugin, PluginError, PluginRuntime};
-use crate::statement::StatementCatalog;
+use crate::sandbox::{LoadedPlugin, PluginError, PluginRuntime};
+use crate::source::rabbitmq;
+use crate::store::ledger::{Plan, PlanError};
+use crate::store::statement::StatementCatalog;
 
 /// A case file that cannot be used: nothing runs.
 #[derive(Debug, thiserror::Error)]
@@ -52,10 +57,13 @@ pub struct Case {
     pub name: String,
     body: Vec<u8>,
     headers: Vec<(String, String)>,
-    routing_key: Option<String>,
-    exchange: String,
+    /// The subject, or RabbitMQ's routing key (`routing_key` in a case file).
+    subject: Option<String>,
     message_id: Option<String>,
     redelivered: bool,
+    delivery_count: Option<u32>,
+    /// Source attributes; RabbitMQ's `exchange` and `routing_key` shorthands land here.
+    attributes: BTreeMap<String, String>,
     expect: Expected,
 }
 
@@ -99,12 +107,17 @@ struct RawCase {
     body_hex: Option<String>,
     #[serde(default)]
     headers: BTreeMap<String, String>,
+    subject: Option<String>,
+    /// RabbitMQ shorthand: the subject, and the `routing-key` attribute.
     routing_key: Option<String>,
-    #[serde(default)]
-    exchange: String,
+    /// RabbitMQ shorthand: the `exchange` attribute.
+    exchange: Option<String>,
     message_id: Option<String>,
     #[serde(default)]
     redelivered: bool,
+    delivery_count: Option<u32>,
+    #[serde(default)]
+    attributes: BTreeMap<String, String>,
     expect: RawExpect,
 }
 
@@ -221,33 +234,46 @@ impl Case {
                 reason_contains,
             } => Expected::Error(reason(exact, reason_contains)),
         };
+        if raw.subject.is_some() && raw.routing_key.is_some() {
+            return Err(format!(
+                "case {:?}: give `subject` or its RabbitMQ name `routing_key`, not both",
+                raw.name
+            ));
+        }
+        let mut attributes = raw.attributes;
+        if let Some(exchange) = raw.exchange {
+            attributes.insert("exchange".into(), exchange);
+        }
+        if let Some(routing_key) = &raw.routing_key {
+            attributes.insert("routing-key".into(), routing_key.clone());
+        }
         Ok(Case {
             name: raw.name,
             body,
             headers: raw.headers.into_iter().collect(),
-            routing_key: raw.routing_key,
-            exchange: raw.exchange,
+            subject: raw.subject.or(raw.routing_key),
             message_id: raw.message_id,
             redelivered: raw.redelivered,
+            delivery_count: raw.delivery_count,
+            attributes,
             expect,
         })
     }
 
-    /// The delivery this case describes, as pipeline `pipeline` would receive it; the routing
-    /// key is `routing_key` unless the case gives one.
-    pub fn message(&self, pipeline: &str, routing_key: &str) -> InboundMessage {
-        InboundMessage {
-            pipeline: pipeline.to_string(),
-            body: self.body.clone(),
-            headers: self.headers.clone(),
-            routing_key: self
-                .routing_key
-                .clone()
-                .unwrap_or_else(|| routing_key.to_string()),
-            exchange: self.exchange.clone(),
-            message_id: self.message_id.clone(),
-            redelivered: self.redelivered,
-        }
+    /// The delivery this case describes, as `origin`'s pipeline would receive it. What the
+    /// case leaves out is what a plain publish to the pipeline's queue carries: the queue's
+    /// name as subject (RabbitMQ's default exchange routes by it).
+    pub fn message(&self, origin: &Origin<'_>) -> InboundMessage {
+        let subject = self.subject.as_deref().unwrap_or(origin.queue);
+        let mut message = origin.message(self.body.clone(), subject);
+        let mut attributes: BTreeMap<String, String> = message.attributes.into_iter().collect();
+        attributes.extend(self.attributes.clone());
+        message.attributes = attributes.into_iter().collect();
+        message.headers = self.headers.clone();
+        message.message_id = self.message_id.clone();
+        message.redelivered = self.redelivered;
+        message.delivery_count = self.delivery_count;
+        message
     }
 
     /// Every way `actual` differs from what the case expects, one line each naming the field;
@@ -400,15 +426,56 @@ pub fn fit(
     Plan::build(pipeline, statements, decision, "", false).map(|_| ())
 }
 
+/// The pipeline a case's message is delivered to, as its plugin sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Origin<'a> {
+    pub pipeline: &'a str,
+    /// The source kind (`rabbitmq`).
+    pub source: &'a str,
+    /// The queue (or stream) consumed.
+    pub queue: &'a str,
+}
+
+impl<'a> Origin<'a> {
+    /// Where `pipeline`'s messages come from.
+    pub fn of(pipeline: &'a PipelineConfig) -> Origin<'a> {
+        Origin {
+            pipeline: &pipeline.name,
+            source: rabbitmq::KIND,
+            queue: &pipeline.queue,
+        }
+    }
+
+    /// `body` as a plain publish to `subject` would arrive: no headers, no message id, a
+    /// first delivery; for RabbitMQ, through the default exchange.
+    pub fn message(&self, body: Vec<u8>, subject: &str) -> InboundMessage {
+        let attributes = if self.source == rabbitmq::KIND {
+            vec![
+                ("exchange".to_string(), String::new()),
+                ("routing-key".to_string(), subject.to_string()),
+            ]
+        } else {
+            Vec::new()
+        };
+        InboundMessage {
+            pipeline: self.pipeline.to_string(),
+            source: self.source.to_string(),
+            queue: self.queue.to_string(),
+            subject: subject.to_string(),
+            body,
+            attributes,
+            ..InboundMessage::default()
+        }
+    }
+}
+
 /// A plugin run on cases as a pipeline would run it.
 pub struct Trial<'a> {
     pub runtime: &'a PluginRuntime,
     pub plugin: &'a LoadedPlugin,
     pub limits: &'a PluginLimits,
-    /// The pipeline name the plugin sees.
-    pub pipeline: &'a str,
-    /// The routing key of a case that gives none.
-    pub routing_key: &'a str,
+    /// Where the cases' messages come from.
+    pub origin: Origin<'a>,
     /// When given, every decision's effects must also [`fit`] this pipeline.
     pub fit: Option<(&'a PipelineConfig, &'a StatementCatalog)>,
 }
@@ -417,7 +484,7 @@ impl Trial<'_> {
     /// How the plugin's outcome for `case` differs from the expected one, and why its effects
     /// would not run in the pipeline; empty when the case passes.
     pub async fn differences(&self, case: &Case) -> Vec<String> {
-        let message = case.message(self.pipeline, self.routing_key);
+        let message = case.message(&self.origin);
         let outcome = self
             .runtime
             .invoke(self.plugin, self.limits, &message)
@@ -639,6 +706,35 @@ mod tests {
         }
     }
 
+    const ORDERS: Origin<'static> = Origin {
+        pipeline: "loyalty",
+        source: "rabbitmq",
+        queue: "orders",
+    };
+
+    #[test]
+    fn source_fields_and_rabbitmq_shorthands_reach_the_message() {
+        let case = one(
+            r#"{"cases": [{"name": "routed", "body": "{}", "routing_key": "orders.eu",
+                "exchange": "events", "delivery_count": 3, "attributes": {"stream-sequence": "9"},
+                "expect": {"outcome": "skip"}}]}"#,
+        );
+        let message = case.message(&ORDERS);
+        assert_eq!(message.subject, "orders.eu");
+        assert_eq!(message.attribute("routing-key"), Some("orders.eu"));
+        assert_eq!(message.attribute("exchange"), Some("events"));
+        assert_eq!(message.attribute("stream-sequence"), Some("9"));
+        assert_eq!(message.delivery_count, Some(3));
+        let both = parse(
+            r#"{"cases": [{"name": "twice", "body": "{}", "subject": "a", "routing_key": "b",
+                "expect": {"outcome": "skip"}}]}"#,
+        );
+        assert!(
+            both.is_err_and(|error| error.contains("not both")),
+            "subject and routing_key together must be refused"
+        );
+    }
+
     fn one(text: &str) -> Case {
         let mut cases = parse(text).unwrap_or_else(|error| panic!("{error}"));
         assert_eq!(cases.len(), 1);
@@ -650,7 +746,7 @@ mod tests {
         let case = one(r#"{"cases": [{"name": "valid", "json": {"order_id": 1},
                 "expect": {"outcome": "decision", "key": "order:1",
                            "effects": [["credit", [7, 50]], ["note", [{"json": {"a": [1, 2]}}, null, 1.5, "x"]]]}}]}"#);
-        assert_eq!(case.message("loyalty", "orders").body, br#"{"order_id":1}"#);
+        assert_eq!(case.message(&ORDERS).body, br#"{"order_id":1}"#);
         let json_param = Value::Json("{ \"a\" : [1,2] }".into());
         let matching = decision(
             "order:1",
@@ -702,13 +798,17 @@ mod tests {
             r#"{"cases": [{"name": "bad", "body": "{", "headers": {"tenant": "eu"}, "redelivered": true,
                 "expect": {"outcome": "failure", "kind": "invalid-input", "reason_contains": "not valid JSON"}}]}"#,
         );
-        let message = case.message("loyalty", "orders");
+        let message = case.message(&ORDERS);
         assert_eq!(
             message.headers,
             vec![("tenant".to_string(), "eu".to_string())]
         );
         assert!(message.redelivered);
-        assert_eq!(message.routing_key, "orders");
+        assert_eq!(message.source, "rabbitmq");
+        assert_eq!(message.queue, "orders");
+        assert_eq!(message.subject, "orders");
+        assert_eq!(message.attribute("routing-key"), Some("orders"));
+        assert_eq!(message.attribute("exchange"), Some(""));
         let rejected = |kind, reason: &str| {
             Err(PluginError::Rejected(Failure {
                 kind,

@@ -5,48 +5,41 @@
 //! statements). The host inserts the claim and runs the effects in one transaction,
 //! commits, and only then acks. A redelivery finds the claim and changes nothing.
 //!
-//! # Layout, in reading order
+//! # Layout: the way a message travels
 //! - [`config`]: `pipelines.toml`, parsed and validated once.
-//! - [`pipeline`]: per pipeline, the consume loop, bounded workers and settling.
-//! - [`process`]: one message start to finish; the only place that picks a disposition.
-//! - [`plugin`]: wasmtime components, a fresh sandbox per message, deadline and memory limits.
-//! - [`statement`]: named statements, prepared at start-up, effects type-checked against them.
-//! - [`ledger`]: the transaction: claim (ledger, natural or none), effects, outbox rows, commit,
-//!   sent in pipelined flights.
-//! - [`session`]: the pooled tokio-postgres connections the transactions run on.
-//! - [`fault`]: whose fault a database error is: reject the message, retry, or pause.
-//! - [`outbox`]: outbox rows, and the relay that delivers them after commit.
-//! - [`amqp`]: lapin: connect, declare, consume, dead-letter, ack.
-//! - [`reload`]: hot swap of plugins (file watch, SIGHUP, admin call).
-//! - [`retention`], [`partition`]: batched deletion of old claims, or daily partitions dropped whole.
-//! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`, `/admin/…`.
-//! - [`database`]: opens the sessions and the bookkeeping pool (sqlx); migrations, schema check.
+//! - [`source`]: where messages come from and how each is settled: the [`source::Source`]
+//!   interface and its implementation for RabbitMQ ([`source::rabbitmq`]).
+//! - [`consumer`]: per pipeline, the consume loop over a source: batches, bounded workers,
+//!   settling after the transaction.
+//! - [`process`]: one message (or batch) start to finish; the only place that picks a
+//!   disposition.
+//! - [`sandbox`]: the plugin runtime: wasmtime components, a sandbox per message, deadline and
+//!   memory limits, the compile cache.
+//! - [`store`]: PostgreSQL: the transaction ([`store::ledger`]), named statements, sessions,
+//!   whose fault an error is, the outbox, retention and partitions, connecting.
+//! - [`http`], [`metrics`]: the HTTP listener (`/metrics`, `/healthz`, `/readyz`,
+//!   `/admin/…`), and the counters every layer records into.
+//! - [`pipeline`]: a pipeline's parts put together (plugin, statements, sessions, pause);
+//!   [`reload`]: hot swap of its plugin (file watch, SIGHUP, admin call).
 //! - [`cases`]: plugin test cases (`idem test`) and the JSON form of an outcome (`idem try`).
 //! - [`effect`], [`message`]: the data passed between them.
-//! - [`backoff`], [`failpoint`]: retry timing, and crash points for tests.
+//! - [`backoff`], [`failpoint`], [`tls`]: retry timing, crash points for tests, TLS verdicts.
 
-pub mod amqp;
 pub mod backoff;
 pub mod cases;
 pub mod config;
 pub mod consumer;
-pub mod database;
 pub mod effect;
 pub mod failpoint;
-pub mod fault;
 pub mod http;
-pub mod ledger;
 pub mod message;
 pub mod metrics;
-pub mod outbox;
-pub mod partition;
 pub mod pipeline;
-pub mod plugin;
 pub mod process;
 pub mod reload;
-pub mod retention;
-pub mod session;
-pub mod statement;
+pub mod sandbox;
+pub mod source;
+pub mod store;
 pub mod tls;
 
 use std::future::Future;
@@ -56,14 +49,15 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use crate::amqp::AmqpError;
 use crate::config::Config;
-use crate::database::DatabaseError;
 use crate::http::HttpError;
 use crate::metrics::Metrics;
-use crate::outbox::RelayWaker;
 use crate::pipeline::{Pipeline, PipelineError};
-use crate::plugin::{PluginError, PluginRuntime};
+use crate::sandbox::{PluginError, PluginRuntime};
+use crate::source::{SourceError, rabbitmq};
+use crate::store::database::{self, DatabaseError};
+use crate::store::outbox::RelayWaker;
+use crate::store::{outbox, retention};
 
 /// Why the host could not start.
 #[derive(Debug, thiserror::Error)]
@@ -77,7 +71,7 @@ pub enum StartError {
     #[error(transparent)]
     Http(#[from] HttpError),
     #[error(transparent)]
-    Amqp(#[from] AmqpError),
+    Source(#[from] SourceError),
     #[error(transparent)]
     Destination(#[from] outbox::DestinationError),
 }
@@ -106,7 +100,7 @@ pub async fn run_with_metrics(
         };
         let pool = database.pool.clone();
         database::check_schema(&pool, &config.database, config.outbox.is_some()).await?;
-        database::record_consumers(&pool, &config.database, &config.pipelines).await?;
+        retention::record_consumers(&pool, &config.database, &config.pipelines).await?;
         let runtime = PluginRuntime::for_config(&config)?;
         let relay = RelayWaker::default();
         let mut pipelines = Vec::with_capacity(config.pipelines.len());
@@ -148,14 +142,14 @@ pub async fn run_with_metrics(
         reload::spawn_watcher(pipelines.clone(), token.clone());
         reload::spawn_sighup_listener(pipelines.clone(), token.clone());
         retention::spawn_cleaner(
-            &pipelines,
+            &config.pipelines,
             pool.clone(),
             Arc::clone(&metrics),
             token.clone(),
         );
         let mut consumers = JoinSet::new();
         for pipeline in &pipelines {
-            consumers.spawn(consumer::consume(
+            consumers.spawn(consumer::consume::<rabbitmq::Session>(
                 Arc::clone(pipeline),
                 config.amqp.clone(),
                 token.clone(),

@@ -11,14 +11,13 @@ use tracing::{debug, error, info};
 
 use crate::cases;
 use crate::config::{ClaimMode, Isolation, PipelineConfig};
-use crate::database::Database;
 use crate::effect::Outcome;
-use crate::message::InboundMessage;
 use crate::metrics::Metrics;
-use crate::outbox::RelayWaker;
-use crate::plugin::{LoadedPlugin, PluginError, PluginRuntime};
-use crate::session::SessionPool;
-use crate::statement::{StatementCatalog, StatementErrors};
+use crate::sandbox::{LoadedPlugin, PluginError, PluginRuntime};
+use crate::store::database::Database;
+use crate::store::outbox::RelayWaker;
+use crate::store::session::SessionPool;
+use crate::store::statement::{StatementCatalog, StatementErrors};
 
 /// Everything a worker needs to handle a message of this pipeline.
 pub struct Pipeline {
@@ -124,13 +123,12 @@ impl Pipeline {
         let plugin = load_plugin(&runtime, &config).await?;
         let statements = StatementCatalog::prepare(pool, &config).await?;
         self_test(&runtime, &config, &statements, &plugin).await?;
-        let partitioned_claims =
-            crate::partition::is_partitioned(pool)
-                .await
-                .map_err(|source| PipelineError::Schema {
-                    pipeline: config.name.clone(),
-                    source,
-                })?;
+        let partitioned_claims = crate::store::partition::is_partitioned(pool)
+            .await
+            .map_err(|source| PipelineError::Schema {
+                pipeline: config.name.clone(),
+                source,
+            })?;
         if partitioned_claims
             && config.claim == ClaimMode::Ledger
             && config.transaction.isolation != Isolation::ReadCommitted
@@ -242,12 +240,7 @@ pub async fn self_test(
         let body = tokio::fs::read(path)
             .await
             .map_err(|error| refuse(path, format!("cannot read the message: {error}")))?;
-        let message = InboundMessage {
-            pipeline: config.name.clone(),
-            body,
-            routing_key: config.queue.clone(),
-            ..InboundMessage::default()
-        };
+        let message = cases::Origin::of(config).message(body, &config.queue);
         match runtime.invoke(plugin, &config.limits, &message).await {
             Ok(Outcome::Skip { .. }) => {}
             Ok(Outcome::Decision(decision)) => {
@@ -263,8 +256,7 @@ pub async fn self_test(
             runtime,
             plugin,
             limits: &config.limits,
-            pipeline: &config.name,
-            routing_key: &config.queue,
+            origin: cases::Origin::of(config),
             fit: Some((config, statements)),
         };
         let mut failures = Vec::new();

@@ -12,11 +12,11 @@ use tracing::{Instrument, debug, warn};
 use crate::backoff::Backoff;
 use crate::effect::{Decision, FailureKind, Outcome};
 use crate::failpoint::Failpoint;
-use crate::fault;
-use crate::ledger::{self, ClaimOutcome, LedgerError, Plan};
 use crate::message::InboundMessage;
 use crate::pipeline::{Paused, Pipeline};
-use crate::plugin::{LoadedPlugin, PluginError};
+use crate::sandbox::{LoadedPlugin, PluginError};
+use crate::store::fault;
+use crate::store::ledger::{self, ClaimOutcome, LedgerError, Plan};
 
 /// Longest idempotency key accepted; longer keys would not fit the claim's btree index.
 pub const MAX_KEY_BYTES: usize = 1024;
@@ -84,7 +84,7 @@ pub async fn handle_delivery(
         message_id = message.message_id.as_deref().unwrap_or(""),
         attempt,
         otel.kind = "consumer",
-        messaging.system = "rabbitmq",
+        messaging.system = %message.source,
     );
     async {
         let (decision, plugin) = match decide(pipeline, message, attempt).await {
@@ -143,7 +143,7 @@ pub async fn handle_batch(
         pipeline = %pipeline.config.name,
         messages = messages.len(),
         otel.kind = "consumer",
-        messaging.system = "rabbitmq",
+        messaging.system = messages.first().map_or("", |(message, _)| message.source.as_str()),
     );
     async {
         let mut decided = Vec::with_capacity(messages.len());

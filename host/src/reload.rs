@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::pipeline::{self, Pipeline, PipelineError};
-use crate::plugin::PluginError;
+use crate::sandbox::PluginError;
 
 /// How long the watcher waits for a file to stop changing before reloading it.
 const SETTLE: Duration = Duration::from_millis(150);

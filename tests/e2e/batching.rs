@@ -53,7 +53,7 @@ async fn a_failing_message_rolls_back_to_its_savepoint_and_the_rest_commit() {
         .expect("config");
     let pipeline = idem_host::pipeline::Pipeline::start(
         config.pipelines[0].clone(),
-        idem_host::plugin::PluginRuntime::new().expect("runtime"),
+        idem_host::sandbox::PluginRuntime::new().expect("runtime"),
         &env.open_database().await,
         Arc::new(Metrics::new()),
     )

@@ -212,7 +212,8 @@ async fn one_ack_owner_settles_deliveries_in_any_order_without_losing_the_channe
         )
         .await
         .expect("consume");
-    let acks = idem_host::amqp::Acks::spawn(channel.clone());
+    let acks = idem_host::source::rabbitmq::Acks::spawn(channel.clone());
+    let pipeline = env.config("loyalty", "").pipelines.remove(0);
     let mut receipts = Vec::new();
     while (receipts.len() as u64) < MESSAGES {
         let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
@@ -220,7 +221,7 @@ async fn one_ack_owner_settles_deliveries_in_any_order_without_losing_the_channe
             .expect("a delivery within 10 s")
             .expect("consumer open")
             .expect("delivery");
-        receipts.push(idem_host::amqp::receive("ackowner", delivery, &acks).1);
+        receipts.push(idem_host::source::rabbitmq::receive(&pipeline, delivery, &acks).1);
     }
     channel
         .basic_cancel(

@@ -14,8 +14,8 @@ use idem_host::config::Config;
 use idem_host::message::InboundMessage;
 use idem_host::metrics::Metrics;
 use idem_host::pipeline::Pipeline;
-use idem_host::plugin::PluginRuntime;
 use idem_host::process::{Disposition, Settled, handle_delivery};
+use idem_host::sandbox::PluginRuntime;
 
 /// The guide's natural-key form: the ledger row is the claim. The credit is an upsert fed by
 /// the insert's RETURNING, so it reports one row exactly when the order is new, even for a

@@ -108,7 +108,7 @@ async fn crash_before_commit_applies_once_on_redelivery() {
 }
 
 /// The backend pid of a session's connection.
-async fn backend_pid(session: &idem_host::session::Session) -> i32 {
+async fn backend_pid(session: &idem_host::store::session::Session) -> i32 {
     session
         .client()
         .query_one("SELECT pg_backend_pid()", &[])

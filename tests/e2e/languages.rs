@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_e2e::{REPO_ROOT, TestEnv, idem_binary, order, plugin_path, unacked, wait_for};
-use idem_host::cases::{self, Trial};
+use idem_host::cases::{self, Origin, Trial};
 use idem_host::config::PluginLimits;
 use idem_host::message::InboundMessage;
 use idem_host::metrics::Metrics;
-use idem_host::plugin::PluginRuntime;
-use idem_host::plugin::cache::Compiled;
+use idem_host::sandbox::PluginRuntime;
+use idem_host::sandbox::cache::Compiled;
 
 const LOYALTY_PLUGINS: [&str; 3] = ["loyalty", "loyalty-py", "loyalty-js"];
 
@@ -74,8 +74,11 @@ async fn every_loyalty_plugin_passes_the_conformance_corpus() {
             runtime: &runtime,
             plugin: &plugin,
             limits: &reused,
-            pipeline: "loyalty",
-            routing_key: "orders",
+            origin: Origin {
+                pipeline: "loyalty",
+                source: "rabbitmq",
+                queue: "orders",
+            },
             fit: None,
         };
         let mut outcomes = Vec::new();
@@ -89,7 +92,7 @@ async fn every_loyalty_plugin_passes_the_conformance_corpus() {
                         differences.join("; ")
                     ));
                 }
-                let message = case.message("loyalty", "orders");
+                let message = case.message(&trial.origin);
                 let outcome =
                     cases::outcome_json(&runtime.invoke(&plugin, &reused, &message).await);
                 if pass == 0 {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use idem_e2e::{TestEnv, idem_binary, order, spawn_idem, unacked, wait_for};
 use idem_host::config::RetentionConfig;
 use idem_host::metrics::Metrics;
-use idem_host::retention::{self, Pass};
+use idem_host::store::retention::{self, Pass};
 use tokio_util::sync::CancellationToken;
 
 /// Batched cleanup removes exactly the claims outside the window, of its own consumer only,
@@ -298,8 +298,8 @@ async fn try_and_check_report_clearly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partition_mode_drops_old_days_and_still_deduplicates() {
     use idem_host::message::InboundMessage;
-    use idem_host::partition;
     use idem_host::process::{Disposition, Settled, handle_delivery};
+    use idem_host::store::partition;
 
     let env = TestEnv::new("partition").await;
     sqlx::query(
@@ -394,8 +394,8 @@ async fn partition_mode_drops_old_days_and_still_deduplicates() {
 /// days. And `idem partition` refuses while a host is connected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partition_retention_keeps_every_consumers_window() {
-    use idem_host::partition;
-    use idem_host::retention;
+    use idem_host::store::partition;
+    use idem_host::store::retention;
 
     let env = TestEnv::new("partition_windows").await;
     sqlx::query(

@@ -153,7 +153,10 @@ async fn try_and_test_pass_delivery_properties_to_the_plugin() {
     assert_eq!(outcome["outcome"], "skip");
     assert_eq!(
         outcome["reason"],
-        "pipeline=loyalty routing_key=orders.eu exchange= message_id=m-1 redelivered=true headers=[tenant=eu,trace=a=b]"
+        format!(
+            "pipeline=loyalty source=rabbitmq queue={} subject=orders.eu message_id=m-1 redelivered=true delivery_count=- headers=[tenant=eu,trace=a=b] attributes=[exchange=,routing-key=orders.eu]",
+            env.queue
+        )
     );
 
     let cases = temp_file(
@@ -162,12 +165,13 @@ async fn try_and_test_pass_delivery_properties_to_the_plugin() {
         &serde_json::json!({ "cases": [
             { "name": "defaults", "json": { "action": "describe" },
               "expect": { "outcome": "skip",
-                          "reason": format!("pipeline=loyalty routing_key={} exchange= message_id=- redelivered=false headers=[]", env.queue) } },
+                          "reason": format!("pipeline=loyalty source=rabbitmq queue={0} subject={0} message_id=- redelivered=false delivery_count=- headers=[] attributes=[exchange=,routing-key={0}]", env.queue) } },
             { "name": "everything", "json": { "action": "describe" },
               "headers": { "tenant": "eu" }, "routing_key": "r", "exchange": "x",
-              "message_id": "m-2", "redelivered": true,
+              "message_id": "m-2", "redelivered": true, "delivery_count": 2,
+              "attributes": { "stream-sequence": "7" },
               "expect": { "outcome": "skip",
-                          "reason": "pipeline=loyalty routing_key=r exchange=x message_id=m-2 redelivered=true headers=[tenant=eu]" } },
+                          "reason": format!("pipeline=loyalty source=rabbitmq queue={} subject=r message_id=m-2 redelivered=true delivery_count=2 headers=[tenant=eu] attributes=[exchange=x,routing-key=r,stream-sequence=7]", env.queue) } },
         ] })
         .to_string(),
     );

@@ -146,7 +146,7 @@ async fn runaway_plugins_are_dead_lettered_while_a_healthy_pipeline_serves() {
 async fn memory_limit_bounds_all_memories_of_an_instance_together() {
     use idem_host::config::PluginLimits;
     use idem_host::message::InboundMessage;
-    use idem_host::plugin::{PluginError, PluginRuntime};
+    use idem_host::sandbox::{PluginError, PluginRuntime};
 
     let component = component_from_wat(
         r#"(module
@@ -154,8 +154,9 @@ async fn memory_limit_bounds_all_memories_of_an_instance_together() {
              (memory $second 640)
              (memory $third 640)
              (func (export "cabi_realloc") (param i32 i32 i32 i32) (result i32) i32.const 1024)
-             (func (export "idem:plugin/handler@0.2.0#handle")
-               (param i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32) (result i32)
+             (func (export "idem:plugin/handler@0.3.0#handle")
+               ;; The message flattens to more than 16 values, so it is passed by pointer.
+               (param i32) (result i32)
                unreachable))"#,
     );
     let runtime = PluginRuntime::new().expect("runtime");
@@ -214,8 +215,8 @@ fn component_from_wat(text: &str) -> Vec<u8> {
 async fn no_state_survives_from_one_message_to_the_next() {
     use idem_host::config::PluginLimits;
     use idem_host::message::InboundMessage;
-    use idem_host::plugin::pool::PoolSize;
-    use idem_host::plugin::{PluginError, PluginRuntime};
+    use idem_host::sandbox::pool::PoolSize;
+    use idem_host::sandbox::{PluginError, PluginRuntime};
 
     idem_e2e::init_logging();
     let component = component_from_wat(
@@ -223,8 +224,9 @@ async fn no_state_survives_from_one_message_to_the_next() {
              (memory (export "memory") 1)
              (global $called (mut i32) (i32.const 0))
              (func (export "cabi_realloc") (param i32 i32 i32 i32) (result i32) i32.const 1024)
-             (func (export "idem:plugin/handler@0.2.0#handle")
-               (param i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32) (result i32)
+             (func (export "idem:plugin/handler@0.3.0#handle")
+               ;; The message flattens to more than 16 values, so it is passed by pointer.
+               (param i32) (result i32)
                (if (i32.or (i32.load (i32.const 64)) (global.get $called))
                  (then unreachable))
                (i32.store (i32.const 64) (i32.const 1))
@@ -292,8 +294,8 @@ async fn reused_instances_serve_a_bounded_number_of_messages_and_never_survive_a
     use idem_host::config::PluginLimits;
     use idem_host::effect::Outcome;
     use idem_host::message::InboundMessage;
-    use idem_host::plugin::pool::PoolSize;
-    use idem_host::plugin::{PluginError, PluginRuntime};
+    use idem_host::sandbox::pool::PoolSize;
+    use idem_host::sandbox::{PluginError, PluginRuntime};
 
     idem_e2e::init_logging();
     let message = |action: &str| InboundMessage {
@@ -313,7 +315,7 @@ async fn reused_instances_serve_a_bounded_number_of_messages_and_never_survive_a
     let plugin = runtime.load(&plugin_path("chaos")).expect("chaos plugin");
     async fn served(
         runtime: &PluginRuntime,
-        plugin: &idem_host::plugin::LoadedPlugin,
+        plugin: &idem_host::sandbox::LoadedPlugin,
         limits: &PluginLimits,
         message: &InboundMessage,
     ) -> String {

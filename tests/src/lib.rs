@@ -88,7 +88,7 @@ impl TestEnv {
             .connect(&database_url)
             .await
             .expect("connect test database");
-        idem_host::database::MIGRATOR
+        idem_host::store::database::MIGRATOR
             .run(&pool)
             .await
             .expect("host migrations apply");
@@ -174,7 +174,7 @@ impl TestEnv {
     /// `process::handle_delivery` directly.
     pub async fn pipeline(&self, plugin: &str, extra: &str) -> idem_host::pipeline::Pipeline {
         let config = self.config(plugin, extra);
-        let runtime = idem_host::plugin::PluginRuntime::new().expect("plugin runtime");
+        let runtime = idem_host::sandbox::PluginRuntime::new().expect("plugin runtime");
         idem_host::pipeline::Pipeline::start(
             config.pipelines[0].clone(),
             runtime,
@@ -187,8 +187,8 @@ impl TestEnv {
 
     /// The host's sessions and bookkeeping pool for this env's `[database]`, opened as `idem
     /// run` opens them, for starting a pipeline directly.
-    pub async fn open_database(&self) -> idem_host::database::Database {
-        idem_host::database::open(&self.config("loyalty", "").database)
+    pub async fn open_database(&self) -> idem_host::store::database::Database {
+        idem_host::store::database::open(&self.config("loyalty", "").database)
             .await
             .expect("the host connects to the test database")
     }

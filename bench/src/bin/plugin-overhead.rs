@@ -10,8 +10,8 @@ use idem_bench::{Percentiles, micros};
 use idem_host::config::PluginLimits;
 use idem_host::effect::Outcome;
 use idem_host::message::InboundMessage;
-use idem_host::plugin::PluginRuntime;
-use idem_host::plugin::pool::PoolSize;
+use idem_host::sandbox::PluginRuntime;
+use idem_host::sandbox::pool::PoolSize;
 
 const WARMUP: usize = 1_000;
 const MESSAGES: usize = 20_000;
@@ -48,7 +48,7 @@ async fn main() {
     // `idem run` uses), measured in the same run.
     let on_demand = PluginRuntime::new().expect("plugin runtime");
     let pooled = PluginRuntime::build(
-        idem_host::plugin::cache::default_directory(),
+        idem_host::sandbox::cache::default_directory(),
         Some(PoolSize {
             instances: 8,
             memory_bytes: 256 << 20,

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use idem_bench::{Percentiles, loyalty_decision, order_customer, order_total_cents};
 use idem_host::config::PipelineConfig;
-use idem_host::ledger::{ClaimOutcome, Plan};
-use idem_host::statement::StatementCatalog;
+use idem_host::store::ledger::{ClaimOutcome, Plan};
+use idem_host::store::statement::StatementCatalog;
 use tokio_postgres::types::Type;
 
 const ORDERS_PER_RUN: i64 = 6_000;
@@ -52,7 +52,7 @@ impl Way {
 struct Shared {
     pipeline: PipelineConfig,
     catalog: Arc<StatementCatalog>,
-    sessions: idem_host::session::SessionPool,
+    sessions: idem_host::store::session::SessionPool,
     database_url: String,
     next_order: AtomicI64,
     last_order: i64,
@@ -166,13 +166,13 @@ fn with_sslmode(url: &str, mode: &str) -> String {
 async fn sessions(
     config: &idem_host::config::Config,
     connections: usize,
-) -> idem_host::session::SessionPool {
+) -> idem_host::store::session::SessionPool {
     let mut database = config.database.clone();
     database.max_connections = u32::try_from(connections)
         .ok()
         .and_then(std::num::NonZeroU32::new)
         .unwrap_or(std::num::NonZeroU32::MIN);
-    idem_host::database::open(&database)
+    idem_host::store::database::open(&database)
         .await
         .expect("the host's sessions open")
         .sessions
@@ -200,10 +200,13 @@ async fn run(way: Way, shared: Arc<Shared>) -> Vec<Duration> {
                 );
                 let plan = Plan::build(&shared.pipeline, &shared.catalog, &decision, DIGEST, false)
                     .expect("plan");
-                let outcome =
-                    idem_host::ledger::apply(&shared.sessions, &shared.pipeline.transaction, &plan)
-                        .await
-                        .expect("transaction");
+                let outcome = idem_host::store::ledger::apply(
+                    &shared.sessions,
+                    &shared.pipeline.transaction,
+                    &plan,
+                )
+                .await
+                .expect("transaction");
                 assert_eq!(outcome, ClaimOutcome::Applied);
             }
             Some(client) => client.apply(way, &shared, order_id).await,

@@ -4,7 +4,8 @@
 //! without bound, `"alloc-1g"` asks for 1 GiB at once, `"retry"` and `"invalid"` return failures, `"skip"` skips, `"log"` logs,
 //! `"count"` skips with the number of calls this instance has served (`"call 3"`),
 //! `"describe"` skips with the delivery's properties
-//! (`pipeline=… routing_key=… exchange=… message_id=… redelivered=… headers=[a=b]`),
+//! (`pipeline=… source=… queue=… subject=… message_id=… redelivered=… delivery_count=…
+//! headers=[a=b] attributes=[exchange=,routing-key=…]`),
 //! and `"echo"` returns `{"key": …, "effects": [{"statement": …, "params": [...]}]}` as given
 //! (JSON integers become `integer`, strings `text`, floats `float`, booleans `boolean`,
 //! `null` `null`; `{"json": …}` becomes `json`).
@@ -58,18 +59,18 @@ impl Guest for Chaos {
                 Ok(Outcome::Skip(format!("call {calls}")))
             }
             "describe" => Ok(Outcome::Skip(format!(
-                "pipeline={} routing_key={} exchange={} message_id={} redelivered={} headers=[{}]",
+                "pipeline={} source={} queue={} subject={} message_id={} redelivered={} delivery_count={} headers=[{}] attributes=[{}]",
                 message.pipeline,
-                message.routing_key,
-                message.exchange,
+                message.source,
+                message.queue,
+                message.subject,
                 message.message_id.as_deref().unwrap_or("-"),
                 message.redelivered,
                 message
-                    .headers
-                    .iter()
-                    .map(|(name, value)| format!("{name}={value}"))
-                    .collect::<Vec<_>>()
-                    .join(","),
+                    .delivery_count
+                    .map_or("-".to_string(), |count| count.to_string()),
+                pairs(&message.headers),
+                pairs(&message.attributes),
             ))),
             "log" => {
                 log(Level::Info, "chaos plugin says hello");
@@ -117,4 +118,13 @@ fn value(json: &Json) -> Value {
 
 fn failure(kind: FailureKind, reason: String) -> Failure {
     Failure { kind, reason }
+}
+
+/// `a=b,c=d`.
+fn pairs(pairs: &[(String, String)]) -> String {
+    pairs
+        .iter()
+        .map(|(name, value)| format!("{name}={value}"))
+        .collect::<Vec<_>>()
+        .join(",")
 }

@@ -4,9 +4,11 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use idem_host::config::Config;
-use idem_host::plugin::PluginRuntime;
-use idem_host::statement::StatementCatalog;
-use idem_host::{amqp, database, pipeline};
+use idem_host::pipeline;
+use idem_host::sandbox::PluginRuntime;
+use idem_host::source::rabbitmq;
+use idem_host::store::database;
+use idem_host::store::statement::StatementCatalog;
 use sha2::Digest;
 
 /// Collects every problem instead of stopping at the first.
@@ -15,7 +17,7 @@ pub async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
     let runtime = PluginRuntime::for_config(&config)?;
     let mut problems = Vec::new();
     if let Some(outbox) = &config.outbox
-        && let Err(error) = idem_host::outbox::http_clients(outbox)
+        && let Err(error) = idem_host::store::outbox::http_clients(outbox)
     {
         problems.push(error.to_string());
     }
@@ -116,9 +118,9 @@ fn verdict(config: &Config, problems: &[String], note: &str) -> ExitCode {
 /// Connects to RabbitMQ as `idem run` would and checks every pipeline's queues without
 /// declaring any.
 async fn check_broker(config: &Config, problems: &mut Vec<String>) {
-    use amqp::topology::{self, Found, Role};
+    use rabbitmq::topology::{self, Found, Role};
     let endpoint = idem_host::config::redact_url(&config.amqp.url);
-    let connection = match amqp::connect(&config.amqp, "idem check".into()).await {
+    let connection = match rabbitmq::connect(&config.amqp, "idem check".into()).await {
         Ok(connection) => connection,
         Err(error) => {
             problems.push(error.to_string());
@@ -177,7 +179,7 @@ pub async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             ("queue", &pipeline_config.queue),
             ("dead letters", &pipeline_config.dead_letter_queue),
         ] {
-            let depth = match amqp::queue_depth(&config.amqp, queue).await {
+            let depth = match rabbitmq::queue_depth(&config.amqp, queue).await {
                 Ok(Some(depth)) => format!("{} ready, {} consumers", depth.ready, depth.consumers),
                 Ok(None) => "not declared yet".to_string(),
                 Err(error) => format!("unknown ({error})"),
@@ -203,7 +205,7 @@ pub async fn status(path: &Path) -> anyhow::Result<ExitCode> {
         }
     }
     if let (Some(pool), Some(_)) = (&pool, &config.outbox) {
-        match idem_host::outbox::backlog(pool).await {
+        match idem_host::store::outbox::backlog(pool).await {
             Ok(backlog) => println!(
                 "outbox: {} pending, {} parked, {} delivered (kept for retention)",
                 backlog.pending, backlog.parked, backlog.delivered

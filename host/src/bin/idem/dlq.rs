@@ -7,9 +7,9 @@ use std::time::Duration;
 use anyhow::Context;
 use serde_json::json;
 
-use idem_host::amqp::dead_letters::{self, Action, DeadLetter, Selection};
 use idem_host::config::{Config, PipelineConfig};
-use idem_host::{database, outbox};
+use idem_host::source::rabbitmq::dead_letters::{self, Action, DeadLetter, Selection};
+use idem_host::store::{database, outbox};
 
 /// Longest body preview in `idem dlq list`, in characters.
 const PREVIEW_CHARS: usize = 60;
@@ -122,7 +122,7 @@ async fn show(
         "message-id   {}",
         letter.message.message_id.as_deref().unwrap_or("-")
     );
-    println!("routing key  {}", letter.message.routing_key);
+    println!("subject      {}", letter.message.subject);
     println!("headers");
     for (name, value) in &letter.message.headers {
         println!("  {name}: {value}");
@@ -186,7 +186,7 @@ fn letter_json(letter: &DeadLetter, whole_body: bool) -> serde_json::Value {
         "reason": letter.reason,
         "replays": letter.replays,
         "message_id": letter.message.message_id,
-        "routing_key": letter.message.routing_key,
+        "subject": letter.message.subject,
         "headers": letter.message.headers.iter().map(|(name, value)| json!([name, value])).collect::<Vec<_>>(),
         "body": body,
         "body_bytes": letter.message.body.len(),

@@ -12,7 +12,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use idem_host::config::Config;
-use idem_host::{database, partition, retention};
+use idem_host::store::{database, partition, retention};
 
 /// Exactly-once database effects from at-least-once message delivery.
 #[derive(Parser)]
@@ -139,9 +139,9 @@ enum Command {
         /// A message header, NAME=VALUE (repeatable).
         #[arg(long = "header", value_name = "NAME=VALUE")]
         headers: Vec<String>,
-        /// The routing key (default: the pipeline's queue).
-        #[arg(long)]
-        routing_key: Option<String>,
+        /// The subject, or RabbitMQ's routing key (default: the pipeline's queue).
+        #[arg(long, visible_alias = "routing-key")]
+        subject: Option<String>,
         /// The message-id property.
         #[arg(long)]
         message_id: Option<String>,
@@ -200,8 +200,8 @@ struct DlqFilter {
 }
 
 impl DlqFilter {
-    fn selection(self) -> idem_host::amqp::dead_letters::Selection {
-        idem_host::amqp::dead_letters::Selection {
+    fn selection(self) -> idem_host::source::rabbitmq::dead_letters::Selection {
+        idem_host::source::rabbitmq::dead_letters::Selection {
             kind: self.kind,
             reason: self.reason,
             since: self.since,
@@ -333,7 +333,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Cleanup { config } => {
             let config = Config::load(&config)?;
             let pool = database::connect_once(&config.database).await?;
-            database::record_consumers(&pool, &config.database, &config.pipelines).await?;
+            retention::record_consumers(&pool, &config.database, &config.pipelines).await?;
             let pipelines: Vec<_> = config
                 .pipelines
                 .iter()
@@ -372,7 +372,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let mut database_config = config.database.clone();
             database_config.max_connections = std::num::NonZeroU32::MIN;
             let pool = database::connect_once(&database_config).await?;
-            database::record_consumers(&pool, &config.database, &config.pipelines).await?;
+            retention::record_consumers(&pool, &config.database, &config.pipelines).await?;
             let converted = match partition::convert(&pool).await? {
                 partition::Conversion::HostsConnected { sessions } => {
                     eprintln!(
@@ -408,15 +408,15 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let pipeline_config = config.pipeline(&pipeline).with_context(|| {
                 format!("no pipeline {pipeline:?} in {}", config.path.display())
             })?;
-            let selection = idem_host::amqp::dead_letters::Selection {
+            let selection = idem_host::source::rabbitmq::dead_letters::Selection {
                 limit,
                 ..Default::default()
             };
-            let moved = idem_host::amqp::dead_letters::pass(
+            let moved = idem_host::source::rabbitmq::dead_letters::pass(
                 &config.amqp,
                 pipeline_config,
                 &selection,
-                idem_host::amqp::dead_letters::Action::Replay,
+                idem_host::source::rabbitmq::dead_letters::Action::Replay,
                 |_| {},
             )
             .await?;
@@ -475,14 +475,14 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             pipeline,
             message,
             headers,
-            routing_key,
+            subject,
             message_id,
             redelivered,
             offline,
         } => {
             let delivery = trial::Delivery {
                 headers,
-                routing_key,
+                subject,
                 message_id,
                 redelivered,
             };
@@ -523,7 +523,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
 }
 
 fn write_wit(out: Option<&Path>) -> anyhow::Result<ExitCode> {
-    let wit = idem_host::plugin::WORLD_WIT;
+    let wit = idem_host::sandbox::WORLD_WIT;
     let Some(directory) = out else {
         print!("{wit}");
         return Ok(ExitCode::SUCCESS);

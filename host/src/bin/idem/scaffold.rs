@@ -21,7 +21,7 @@ pub enum Language {
 /// The pinned componentize-py, as the repository's own Python plugin is built with.
 const COMPONENTIZE_PY: &str = "0.25.1";
 
-const WORLD_WIT: &str = idem_host::plugin::WORLD_WIT;
+const WORLD_WIT: &str = idem_host::sandbox::WORLD_WIT;
 const CASES: &str = include_str!("../../../templates/common/cases.json");
 const SCHEMA: &str = include_str!("../../../templates/common/schema.sql");
 const PIPELINE: &str = include_str!("../../../templates/common/pipeline.toml");

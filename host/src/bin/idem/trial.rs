@@ -6,18 +6,19 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 
-use idem_host::cases::{self, Trial};
+use idem_host::cases::{self, Origin, Trial};
 use idem_host::config::{Config, PipelineConfig, PluginLimits};
 use idem_host::effect::Outcome;
-use idem_host::message::InboundMessage;
-use idem_host::plugin::PluginRuntime;
-use idem_host::statement::StatementCatalog;
-use idem_host::{database, pipeline};
+use idem_host::pipeline;
+use idem_host::sandbox::PluginRuntime;
+use idem_host::source::rabbitmq;
+use idem_host::store::database;
+use idem_host::store::statement::StatementCatalog;
 
 /// The delivery properties `idem try` sets from its flags.
 pub struct Delivery {
     pub headers: Vec<String>,
-    pub routing_key: Option<String>,
+    pub subject: Option<String>,
     pub message_id: Option<String>,
     pub redelivered: bool,
 }
@@ -51,17 +52,13 @@ pub async fn try_message(
         .collect::<anyhow::Result<_>>()?;
     let runtime = PluginRuntime::for_config(&config)?;
     let plugin = pipeline::load_plugin(&runtime, pipeline_config).await?;
-    let inbound = InboundMessage {
-        pipeline: pipeline_config.name.clone(),
-        body,
-        headers,
-        routing_key: delivery
-            .routing_key
-            .unwrap_or_else(|| pipeline_config.queue.clone()),
-        exchange: String::new(),
-        message_id: delivery.message_id,
-        redelivered: delivery.redelivered,
-    };
+    let subject = delivery
+        .subject
+        .unwrap_or_else(|| pipeline_config.queue.clone());
+    let mut inbound = Origin::of(pipeline_config).message(body, &subject);
+    inbound.headers = headers;
+    inbound.message_id = delivery.message_id;
+    inbound.redelivered = delivery.redelivered;
     let started = std::time::Instant::now();
     let (outcome, stats) = runtime
         .invoke_measured(&plugin, &pipeline_config.limits, &inbound)
@@ -165,12 +162,14 @@ pub async fn test(target: TestTarget, cases_path: &Path) -> anyhow::Result<ExitC
         limits: pipeline_config
             .as_ref()
             .map_or(&default_limits, |pipeline_config| &pipeline_config.limits),
-        pipeline: pipeline_config
-            .as_ref()
-            .map_or("test", |pipeline_config| pipeline_config.name.as_str()),
-        routing_key: pipeline_config
-            .as_ref()
-            .map_or("", |pipeline_config| pipeline_config.queue.as_str()),
+        origin: pipeline_config.as_ref().map_or(
+            Origin {
+                pipeline: "test",
+                source: rabbitmq::KIND,
+                queue: "",
+            },
+            Origin::of,
+        ),
         fit: pipeline_config.as_ref().zip(statements.as_ref()),
     };
     let mut failed = 0;

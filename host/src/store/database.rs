@@ -10,9 +10,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::backoff::Backoff;
-use crate::config::{DatabaseConfig, DatabaseTls, PipelineConfig, SslMode, redact_url};
-use crate::fault::DatabaseFailure;
-use crate::session::{SessionError, SessionPool};
+use crate::config::{DatabaseConfig, DatabaseTls, SslMode, redact_url};
+use crate::store::fault::DatabaseFailure;
+use crate::store::session::{SessionError, SessionPool};
 use crate::tls::Verify;
 
 /// The host's own tables (`processed_messages`), embedded at build time.
@@ -105,7 +105,7 @@ fn refused(
 ) -> DatabaseError {
     DatabaseError::Refused {
         endpoint: redact_url(&config.url),
-        reason: crate::fault::describe(error),
+        reason: crate::store::fault::describe(error),
         setting,
     }
 }
@@ -354,23 +354,6 @@ pub async fn migrate(pool: &PgPool, config: &DatabaseConfig) -> Result<(), Datab
         .run(pool)
         .await
         .map_err(|source| DatabaseError::Migrate {
-            endpoint: redact_url(&config.url),
-            source,
-        })
-}
-
-/// Records the retention window of every pipeline's consumer (see `retention::record_windows`).
-pub async fn record_consumers(
-    pool: &PgPool,
-    config: &DatabaseConfig,
-    pipelines: &[PipelineConfig],
-) -> Result<(), DatabaseError> {
-    let windows = pipelines
-        .iter()
-        .map(|pipeline| (pipeline.consumer.as_str(), pipeline.retention.window));
-    crate::retention::record_windows(pool, windows)
-        .await
-        .map_err(|source| DatabaseError::Consumers {
             endpoint: redact_url(&config.url),
             source,
         })

@@ -11,10 +11,10 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::config::RetentionConfig;
+use crate::config::{DatabaseConfig, PipelineConfig, RetentionConfig, redact_url};
 use crate::metrics::Metrics;
-use crate::partition::{self, Maintenance};
-use crate::pipeline::Pipeline;
+use crate::store::database::DatabaseError;
+use crate::store::partition::{self, Maintenance};
 
 /// The advisory lock key that elects the one cleaning host (`hashtext('idem-retention')`-like constant).
 const RETENTION_LOCK: i64 = 0x1de3_0000_0000_0001;
@@ -25,6 +25,23 @@ const DELETE_BATCH_SQL: &str = "DELETE FROM processed_messages \
        AND ctid IN (SELECT ctid FROM processed_messages \
                     WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) \
                     LIMIT $3)";
+
+/// Records the retention window of every pipeline's consumer (see `record_windows`).
+pub async fn record_consumers(
+    pool: &PgPool,
+    config: &DatabaseConfig,
+    pipelines: &[PipelineConfig],
+) -> Result<(), DatabaseError> {
+    let windows = pipelines
+        .iter()
+        .map(|pipeline| (pipeline.consumer.as_str(), pipeline.retention.window));
+    record_windows(pool, windows)
+        .await
+        .map_err(|source| DatabaseError::Consumers {
+            endpoint: redact_url(&config.url),
+            source,
+        })
+}
 
 /// Records each consumer's retention window in `idem_consumers`, so partition mode keeps
 /// claims for the longest window of every consumer sharing the table, whichever host cleans.
@@ -149,19 +166,19 @@ async fn clean_locked(
 
 /// Runs [`clean_all`] every pipeline's `every` interval (the shortest), until `shutdown`.
 pub fn spawn_cleaner(
-    pipelines: &[Arc<Pipeline>],
+    pipelines: &[PipelineConfig],
     pool: PgPool,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     let cleaned: Vec<(String, String, RetentionConfig)> = pipelines
         .iter()
-        .filter(|pipeline| !pipeline.config.retention.every.is_zero())
+        .filter(|pipeline| !pipeline.retention.every.is_zero())
         .map(|pipeline| {
             (
-                pipeline.name().to_string(),
-                pipeline.config.consumer.clone(),
-                pipeline.config.retention.clone(),
+                pipeline.name.clone(),
+                pipeline.consumer.clone(),
+                pipeline.retention.clone(),
             )
         })
         .collect();

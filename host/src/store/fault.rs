@@ -5,7 +5,7 @@
 //! database, the network, the host or the operator's configuration caused keeps the message
 //! unacked: retried, or the pipeline paused until the configuration works again.
 
-use crate::session::SessionError;
+use crate::store::session::SessionError;
 
 /// Who issued the statement that failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

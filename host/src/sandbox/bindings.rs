@@ -2,7 +2,7 @@
 
 use crate::effect::{Decision, Effect, Failure, FailureKind, OutboxMessage, Outcome, Value};
 use crate::message::InboundMessage;
-use crate::plugin::{PLUGIN_TEXT_BYTES, printable};
+use crate::sandbox::{PLUGIN_TEXT_BYTES, printable};
 
 wasmtime::component::bindgen!({
     path: "../wit",
@@ -20,12 +20,15 @@ use idem::plugin::types;
 pub fn message(inbound: &InboundMessage) -> types::Message {
     types::Message {
         pipeline: inbound.pipeline.clone(),
+        source: inbound.source.clone(),
+        queue: inbound.queue.clone(),
+        subject: inbound.subject.clone(),
         body: inbound.body.clone(),
         headers: inbound.headers.clone(),
-        routing_key: inbound.routing_key.clone(),
-        exchange: inbound.exchange.clone(),
         message_id: inbound.message_id.clone(),
         redelivered: inbound.redelivered,
+        delivery_count: inbound.delivery_count,
+        attributes: inbound.attributes.clone(),
     }
 }
 

@@ -4,8 +4,8 @@ use wasmtime::ResourceLimiter;
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
-use crate::plugin::bindings::log;
-use crate::plugin::{PLUGIN_TEXT_BYTES, printable};
+use crate::sandbox::bindings::log;
+use crate::sandbox::{PLUGIN_TEXT_BYTES, printable};
 
 /// Log lines one call may emit before the rest are dropped (and counted in one summary line).
 const LOG_LINES_PER_CALL: u32 = 32;

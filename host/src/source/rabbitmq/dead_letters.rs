@@ -133,7 +133,7 @@ pub async fn pass(
             }
         };
         let delivery = got.delivery;
-        let letter = describe(&pipeline.name, position, &delivery);
+        let letter = describe(pipeline, position, &delivery);
         let receipt = Receipt::of(delivery, &acks, 1);
         if !selection.matches(&letter) {
             kept.push(receipt);
@@ -194,7 +194,11 @@ fn replay_headers(receipt: &Receipt, replays: u64) -> FieldTable {
     headers
 }
 
-fn describe(pipeline: &str, position: u64, delivery: &lapin::message::Delivery) -> DeadLetter {
+fn describe(
+    pipeline: &PipelineConfig,
+    position: u64,
+    delivery: &lapin::message::Delivery,
+) -> DeadLetter {
     let properties = &delivery.properties;
     let header = |name: &str| {
         properties
@@ -210,7 +214,8 @@ fn describe(pipeline: &str, position: u64, delivery: &lapin::message::Delivery) 
                 .duration_since(rejected)
                 .unwrap_or_default()
         });
-    let message = inbound_message(pipeline, delivery);
+    // The message as the pipeline's plugin saw it: from the pipeline's queue.
+    let message = inbound_message(&pipeline.name, &pipeline.queue, false, delivery);
     DeadLetter {
         position,
         message,

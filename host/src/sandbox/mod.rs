@@ -76,7 +76,7 @@ pub enum PluginError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("plugin {path:?} is not a valid idem:plugin@0.2.0 component: {reason}")]
+    #[error("plugin {path:?} is not a valid idem:plugin@0.3.0 component: {reason}")]
     Invalid { path: PathBuf, reason: String },
     /// The plugin's own verdict: it understood the message and refused it.
     #[error("plugin refused the message ({}): {}", .0.kind.as_str(), .0.reason)]

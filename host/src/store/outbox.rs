@@ -21,11 +21,11 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::amqp;
 use crate::backoff::Backoff;
 use crate::config::{AmqpConfig, Destination, OutboxConfig, redact_url};
 use crate::effect::OutboxMessage;
 use crate::metrics::Metrics;
+use crate::source::rabbitmq;
 
 /// Rows of one message's outbox effects, checked against the configured destinations.
 #[derive(Debug, Clone, PartialEq)]
@@ -454,7 +454,7 @@ impl Relay {
         {
             return Ok(channel.clone());
         }
-        let (connection, channel) = amqp::connect_channel(&self.amqp_config, "outbox relay")
+        let (connection, channel) = rabbitmq::connect_channel(&self.amqp_config, "outbox relay")
             .await
             .map_err(|error| error.to_string())?;
         channel

@@ -20,10 +20,10 @@ use tokio_postgres::{Client, Row, Statement};
 use crate::config::{ClaimMode, PipelineConfig, TransactionConfig};
 use crate::effect::{Decision, Effect};
 use crate::failpoint::Failpoint;
-use crate::fault::{self, Fault, Origin};
-use crate::outbox::{self, OutboxError, OutboxRow};
-use crate::session::{Session, SessionError, SessionPool};
-use crate::statement::{BoundEffect, EffectError, StatementCatalog};
+use crate::store::fault::{self, Fault, Origin};
+use crate::store::outbox::{self, OutboxError, OutboxRow};
+use crate::store::session::{Session, SessionError, SessionPool};
+use crate::store::statement::{BoundEffect, EffectError, StatementCatalog};
 
 /// What `begin` adds to the transaction's opening: a mark the host's claims look for.
 const MARK_OPEN: &str = "SET LOCAL idem.transaction = 'open'";

@@ -8,7 +8,11 @@ mod connect;
 pub mod dead_letters;
 pub mod topology;
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
+
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
 
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -21,8 +25,12 @@ pub use acks::Acks;
 pub use connect::connect;
 use topology::Role;
 
-use crate::config::{AmqpConfig, PipelineConfig};
+use crate::config::{AmqpConfig, PipelineConfig, QueueType};
 use crate::message::InboundMessage;
+use crate::source::{Delivery, Source, SourceError};
+
+/// The source kind a plugin sees in `message.source`.
+pub const KIND: &str = "rabbitmq";
 
 /// The header carrying how many times a message has been tried.
 pub const ATTEMPT_HEADER: &str = "x-idem-attempt";
@@ -75,11 +83,26 @@ impl AmqpError {
 /// One pipeline's connection to the broker: a channel in confirm mode consuming its queue.
 pub struct Session {
     connection: Connection,
-    pub channel: Channel,
-    pub consumer: Consumer,
+    consumer: Consumer,
     consumer_tag: String,
     /// The owner of the channel's acks.
-    pub acks: Acks,
+    acks: Acks,
+    route: Arc<Route>,
+}
+
+/// Where a pipeline's copies (dead letters, retries, requeues) go, and the channel they go on.
+struct Route {
+    channel: Channel,
+    pipeline: Arc<PipelineConfig>,
+    /// Ends a retry's wait when the host stops.
+    shutdown: CancellationToken,
+}
+
+/// A delivery from a pipeline's queue, with what settling it needs.
+pub struct Received {
+    message: InboundMessage,
+    receipt: Receipt,
+    route: Arc<Route>,
 }
 
 /// A delivery's identity and its channel's ack owner, kept apart from the data the plugin sees.
@@ -95,7 +118,11 @@ pub struct Receipt {
 impl Session {
     /// Connects, makes sure the queue and its dead-letter queue are there as configured, and
     /// starts consuming.
-    pub async fn open(amqp: &AmqpConfig, pipeline: &PipelineConfig) -> Result<Session, AmqpError> {
+    pub async fn open(
+        amqp: &AmqpConfig,
+        pipeline: &Arc<PipelineConfig>,
+        shutdown: &CancellationToken,
+    ) -> Result<Session, AmqpError> {
         // Named so an operator (or a fault test) can tell which host and queue a
         // connection serves: `idem loyalty on order-completed (pid 4242)`.
         let name = format!(
@@ -109,7 +136,11 @@ impl Session {
             Ok((channel, consumer, consumer_tag)) => Ok(Session {
                 connection,
                 acks: Acks::spawn(channel.clone()),
-                channel,
+                route: Arc::new(Route {
+                    channel,
+                    pipeline: Arc::clone(pipeline),
+                    shutdown: shutdown.clone(),
+                }),
                 consumer,
                 consumer_tag,
             }),
@@ -158,6 +189,7 @@ impl Session {
     /// Stops new deliveries; deliveries already received stay ackable.
     pub async fn cancel(&self) {
         if let Err(error) = self
+            .route
             .channel
             .basic_cancel(
                 ShortString::from(self.consumer_tag.as_str()),
@@ -177,6 +209,110 @@ impl Session {
             .await
         {
             tracing::debug!(%error, "Closing the RabbitMQ connection failed.");
+        }
+    }
+}
+
+impl Source for Session {
+    type Settings = AmqpConfig;
+    type Delivery = Received;
+    const BROKER: &'static str = "RabbitMQ";
+
+    async fn open(
+        settings: &AmqpConfig,
+        pipeline: &Arc<PipelineConfig>,
+        shutdown: &CancellationToken,
+    ) -> Result<Session, SourceError> {
+        Ok(Session::open(settings, pipeline, shutdown).await?)
+    }
+
+    async fn next(&mut self) -> Result<Received, SourceError> {
+        let lost = |reason: String| AmqpError::ConsumerLost {
+            queue: self.route.pipeline.queue.clone(),
+            reason,
+        };
+        match self.consumer.next().await {
+            Some(Ok(delivery)) => {
+                let (message, receipt) = receive(&self.route.pipeline, delivery, &self.acks);
+                Ok(Received {
+                    message,
+                    receipt,
+                    route: Arc::clone(&self.route),
+                })
+            }
+            Some(Err(error)) => Err(lost(error.to_string()).into()),
+            None => Err(lost("the broker cancelled the consumer".into()).into()),
+        }
+    }
+
+    async fn stop(&mut self) {
+        self.cancel().await;
+    }
+
+    async fn close(self) {
+        Session::close(self).await;
+    }
+}
+
+impl Delivery for Received {
+    fn message(&self) -> &InboundMessage {
+        &self.message
+    }
+
+    fn attempt(&self) -> u32 {
+        self.receipt.attempt
+    }
+
+    fn describe(&self) -> String {
+        format!("delivery tag {}", self.receipt.delivery_tag)
+    }
+
+    async fn ack(&self) -> bool {
+        self.receipt.ack().await
+    }
+
+    async fn dead_letter(&self, error_kind: &'static str, reason: &str) -> bool {
+        let route = &self.route;
+        let published = self
+            .receipt
+            .dead_letter(&route.channel, &route.pipeline, error_kind, reason)
+            .await;
+        self.moved_or_returned(published).await
+    }
+
+    async fn retry(&self, attempt: u32, delay: Duration) -> bool {
+        let route = &self.route;
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = route.shutdown.cancelled() => {}
+        }
+        let published = self
+            .receipt
+            .retry(&route.channel, &route.pipeline.queue, attempt)
+            .await;
+        self.moved_or_returned(published).await
+    }
+
+    async fn requeue(&self) -> bool {
+        let route = &self.route;
+        let published = self
+            .receipt
+            .requeue(&route.channel, &route.pipeline.queue)
+            .await;
+        self.moved_or_returned(published).await
+    }
+}
+
+impl Received {
+    /// The copy's fate; when the copy could not be published, the original goes back with a
+    /// `nack` (or, with its channel gone, is redelivered by the broker).
+    async fn moved_or_returned(&self, published: Result<bool, AmqpError>) -> bool {
+        match published {
+            Ok(acked) => acked,
+            Err(error) => {
+                tracing::warn!(%error, "Cannot move the message; returning it to its queue.");
+                self.receipt.nack_requeue().await
+            }
         }
     }
 }
@@ -217,10 +353,10 @@ pub async fn queue_depth(amqp: &AmqpConfig, queue: &str) -> Result<Option<QueueD
     }))
 }
 
-/// Splits a delivery into what the plugin sees and what the host keeps to settle it through
-/// `acks`, its channel's ack owner. Call in delivery order.
+/// Splits a delivery from `pipeline`'s queue into what the plugin sees and what the host
+/// keeps to settle it through `acks`, its channel's ack owner. Call in delivery order.
 pub fn receive(
-    pipeline: &str,
+    pipeline: &PipelineConfig,
     delivery: lapin::message::Delivery,
     acks: &Acks,
 ) -> (InboundMessage, Receipt) {
@@ -228,12 +364,22 @@ pub fn receive(
         .and_then(|attempt| u32::try_from(attempt).ok())
         .unwrap_or(1)
         .max(1);
-    let message = inbound_message(pipeline, &delivery);
+    let counted = pipeline.queue_type == QueueType::Quorum;
+    let message = inbound_message(&pipeline.name, &pipeline.queue, counted, &delivery);
     (message, Receipt::of(delivery, acks, attempt))
 }
 
-/// What a plugin sees of `delivery`: non-text header values rendered as text.
-fn inbound_message(pipeline: &str, delivery: &lapin::message::Delivery) -> InboundMessage {
+/// The header a quorum queue counts a message's earlier deliveries in (absent on the first).
+const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
+
+/// What a plugin sees of `delivery`, taken from `queue`: non-text header values rendered as
+/// text; the delivery count when the queue keeps one (`counted`: a quorum queue).
+fn inbound_message(
+    pipeline: &str,
+    queue: &str,
+    counted: bool,
+    delivery: &lapin::message::Delivery,
+) -> InboundMessage {
     let headers: Vec<(String, String)> = delivery
         .properties
         .headers()
@@ -246,18 +392,33 @@ fn inbound_message(pipeline: &str, delivery: &lapin::message::Delivery) -> Inbou
                 .collect()
         })
         .unwrap_or_default();
+    let earlier = header_integer(&delivery.properties, DELIVERY_COUNT_HEADER)
+        .and_then(|count| u32::try_from(count).ok());
+    let routing_key = delivery.routing_key.as_str().to_string();
     InboundMessage {
         pipeline: pipeline.to_string(),
+        source: KIND.to_string(),
+        queue: queue.to_string(),
+        subject: routing_key.clone(),
         body: delivery.data.clone(),
         headers,
-        routing_key: delivery.routing_key.as_str().to_string(),
-        exchange: delivery.exchange.as_str().to_string(),
         message_id: delivery
             .properties
             .message_id()
             .as_ref()
             .map(|id| id.as_str().to_string()),
         redelivered: delivery.redelivered,
+        delivery_count: match earlier {
+            Some(earlier) => Some(earlier.saturating_add(1)),
+            None => counted.then_some(1),
+        },
+        attributes: vec![
+            (
+                "exchange".to_string(),
+                delivery.exchange.as_str().to_string(),
+            ),
+            ("routing-key".to_string(), routing_key),
+        ],
     }
 }
 

@@ -1,0 +1,21 @@
+//! PostgreSQL: everything the host keeps in the database and how it gets there.
+//!
+//! - [`ledger`]: the one transaction per message (or batch): claim, effects, outbox rows,
+//!   commit, in pipelined flights.
+//! - [`statement`]: the named statements, prepared at start-up; effects checked against them.
+//! - [`session`]: the pooled tokio-postgres connections the transactions run on.
+//! - [`fault`]: whose fault a database error is: reject the message, retry, or pause.
+//! - [`outbox`]: outbox rows, and the relay that delivers them after commit.
+//! - [`retention`], [`partition`]: old claims deleted in batches, or daily partitions dropped
+//!   whole.
+//! - [`database`]: connecting (URL, TLS, libpq's environment), the bookkeeping pool,
+//!   migrations, the schema check.
+
+pub mod database;
+pub mod fault;
+pub mod ledger;
+pub mod outbox;
+pub mod partition;
+pub mod retention;
+pub mod session;
+pub mod statement;
