@@ -55,8 +55,8 @@ fn host_overhead(criterion: &mut Criterion) {
                     pipeline: pipeline.name.clone(),
                     body: black_box(idem_bench::order_body(9912)),
                     headers: vec![("x-idem-attempt".into(), "1".into())],
-                    queue: pipeline.queue.clone(),
-                    subject: pipeline.queue.clone(),
+                    queue: pipeline.queue().to_string(),
+                    subject: pipeline.queue().to_string(),
                     ..InboundMessage::default()
                 })
             });

@@ -442,7 +442,7 @@ impl<'a> Origin<'a> {
         Origin {
             pipeline: &pipeline.name,
             source: rabbitmq::KIND,
-            queue: &pipeline.queue,
+            queue: pipeline.queue(),
         }
     }
 

@@ -154,12 +154,13 @@ pub struct HttpConfig {
     pub admin_token: Option<String>,
 }
 
-/// One `[pipelines.<name>]` table: a queue, a plugin and the statements it may use.
+/// One `[pipelines.<name>]` table: a source, a plugin and the statements it may use.
 #[derive(Debug, Clone)]
 pub struct PipelineConfig {
     /// The table name, used in logs, metrics and the plugin's `message.pipeline`.
     pub name: String,
-    pub queue: String,
+    /// What the pipeline consumes, and from which kind of broker.
+    pub source: SourceConfig,
     /// The consumer name written in claims; several consumers may share one ledger.
     pub consumer: String,
     /// The plugin component, resolved against the config file's directory.
@@ -175,15 +176,6 @@ pub struct PipelineConfig {
     pub workers: NonZeroUsize,
     /// How many messages share one transaction.
     pub batch: BatchConfig,
-    /// Where rejected messages go, with the reason in their headers.
-    pub dead_letter_queue: String,
-    /// The queue's type when idem declares it (and its dead-letter queue).
-    pub queue_type: QueueType,
-    /// Extra `x-…` arguments the queue is declared with (`x-delivery-limit`, `x-max-length`…).
-    pub queue_arguments: BTreeMap<String, QueueArgument>,
-    /// `false`: the queue belongs to infrastructure code; idem checks it exists and never
-    /// declares or changes it.
-    pub declare: bool,
     /// How many times a message is tried when the plugin says its failure is retryable.
     pub max_attempts: NonZeroU32,
     pub limits: PluginLimits,
@@ -198,6 +190,30 @@ pub struct PipelineConfig {
     pub watch: bool,
     /// Named SQL statements, by name.
     pub statements: BTreeMap<String, String>,
+}
+
+/// What a pipeline consumes (`[pipelines.<name>.source]`).
+#[derive(Debug, Clone)]
+pub enum SourceConfig {
+    RabbitMq(RabbitMqSource),
+}
+
+/// A RabbitMQ queue and its dead-letter queue.
+#[derive(Debug, Clone)]
+pub struct RabbitMqSource {
+    pub queue: String,
+    /// Where rejected messages go, with the reason in their headers.
+    pub dead_letter_queue: String,
+    /// The queue's type when idem declares it (and its dead-letter queue).
+    pub queue_type: QueueType,
+    /// Extra `x-…` arguments the queue is declared with (`x-delivery-limit`, `x-max-length`…).
+    pub queue_arguments: BTreeMap<String, QueueArgument>,
+    /// `false`: the queue belongs to infrastructure code; idem checks it exists and never
+    /// declares or changes it.
+    pub declare: bool,
+    /// The table these keys are written in (`pipelines.<name>.source`, or `pipelines.<name>`
+    /// in the older form), so a message naming a setting names it where it is.
+    pub table: String,
 }
 
 /// A RabbitMQ queue type.
@@ -585,46 +601,59 @@ impl Config {
                 }
                 (_, None) => None,
             };
-            let queue = raw.queue.get_ref().trim().to_string();
-            if queue.is_empty() || queue.len() > 255 {
-                return Err(at(
-                    raw.queue.span(),
-                    "queue",
-                    "queue name must be 1 to 255 bytes".into(),
-                ));
-            }
-            let dead_letter_queue = raw
-                .dead_letter_queue
-                .unwrap_or_else(|| format!("{queue}.dead-letter"));
-            if dead_letter_queue == queue {
-                return Err(invalid(format!(
-                    "pipelines.{name}.dead_letter_queue: must differ from the queue {queue:?}"
-                )));
-            }
-            let queue_arguments = match raw.queue_arguments {
-                Some(arguments) => {
-                    let span = arguments.span();
-                    for argument in arguments.get_ref().keys() {
-                        if !argument.starts_with("x-") || argument == "x-queue-type" {
-                            return Err(at(
-                                span,
-                                "queue_arguments",
-                                format!(
-                                    "{argument:?}: queue arguments are RabbitMQ's `x-…` names; the type is set with queue_type"
-                                ),
-                            ));
-                        }
-                    }
-                    if !raw.declare && !arguments.get_ref().is_empty() {
+            let legacy = RabbitMqKeys {
+                queue: raw.queue,
+                dead_letter_queue: raw.dead_letter_queue,
+                queue_type: raw.queue_type,
+                queue_arguments: raw.queue_arguments,
+                declare: raw.declare,
+            };
+            let source = match raw.source {
+                Some(source) => {
+                    let table_span = source.span();
+                    let table = format!("pipelines.{name}.source");
+                    if legacy.any() {
                         return Err(at(
-                            span,
-                            "queue_arguments",
-                            "with declare = false idem never declares the queue, so its arguments are the infrastructure's to set; remove queue_arguments".into(),
+                            table_span,
+                            "source",
+                            "the queue's keys (queue, dead_letter_queue, queue_type, queue_arguments, declare) go inside [pipelines.<name>.source] when it is given, not beside it".into(),
                         ));
                     }
-                    arguments.into_inner()
+                    let raw_source = source.into_inner();
+                    let keys = RabbitMqKeys {
+                        queue: raw_source.queue,
+                        dead_letter_queue: raw_source.dead_letter_queue,
+                        queue_type: raw_source.queue_type,
+                        queue_arguments: raw_source.queue_arguments,
+                        declare: raw_source.declare,
+                    };
+                    match raw_source.kind {
+                        SourceKind::Rabbitmq => {
+                            SourceConfig::RabbitMq(keys.source(&table, |span, key, problem| {
+                                at(
+                                    span.unwrap_or(table_span.clone()),
+                                    &format!("source.{key}"),
+                                    problem,
+                                )
+                            })?)
+                        }
+                    }
                 }
-                None => BTreeMap::new(),
+                None if legacy.any() => {
+                    let table = format!("pipelines.{name}");
+                    SourceConfig::RabbitMq(legacy.source(
+                        &table,
+                        |span, key, problem| match span {
+                            Some(span) => at(span, key, problem),
+                            None => invalid(format!("pipelines.{name}.{key}: {problem}")),
+                        },
+                    )?)
+                }
+                None => {
+                    return Err(invalid(format!(
+                        "pipelines.{name}: no source: add [pipelines.{name}.source] with kind = \"rabbitmq\" and queue = \"…\""
+                    )));
+                }
             };
             if raw.transaction.timeout < Duration::from_secs(1) {
                 return Err(invalid(format!(
@@ -642,10 +671,7 @@ impl Config {
                 prefetch: raw.prefetch,
                 workers: raw.workers,
                 batch: raw.batch,
-                dead_letter_queue,
-                queue_type: raw.queue_type,
-                queue_arguments,
-                declare: raw.declare,
+                source,
                 max_attempts: raw.max_attempts,
                 limits: raw.limits,
                 retention: raw.retention,
@@ -658,7 +684,6 @@ impl Config {
                     .into_iter()
                     .map(|(statement_name, sql)| (statement_name, sql.into_inner()))
                     .collect(),
-                queue,
                 name,
             });
         }
@@ -717,6 +742,20 @@ impl Config {
 }
 
 impl PipelineConfig {
+    /// The queue (or stream) consumed, as logs, metrics and plugins name it.
+    pub fn queue(&self) -> &str {
+        match &self.source {
+            SourceConfig::RabbitMq(source) => &source.queue,
+        }
+    }
+
+    /// Where rejected messages go: the dead-letter queue.
+    pub fn dead_letter(&self) -> &str {
+        match &self.source {
+            SourceConfig::RabbitMq(source) => &source.dead_letter_queue,
+        }
+    }
+
     /// The prefetch the consumer asks for: the configured one, raised to twice what the
     /// workers can hold at once (`workers × batch.size`) so none waits for deliveries.
     pub fn effective_prefetch(&self) -> u16 {
@@ -785,10 +824,14 @@ struct PipelinesFile {
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct RawPipeline {
-    /// The RabbitMQ queue this pipeline consumes.
-    #[serde(deserialize_with = "interpolated_spanned")]
-    #[schemars(with = "String")]
-    queue: Spanned<String>,
+    /// What the pipeline consumes: `kind = "rabbitmq"` and the queue.
+    #[schemars(with = "Option<RawSource>")]
+    source: Option<Spanned<RawSource>>,
+    /// The older form of a RabbitMQ source: the queue, with `dead_letter_queue`,
+    /// `queue_type`, `queue_arguments` and `declare` beside it in the pipeline's table.
+    #[serde(default, deserialize_with = "interpolated_spanned_option")]
+    #[schemars(with = "Option<String>")]
+    queue: Option<Spanned<String>>,
     /// The consumer name written in claims (default: the pipeline's name); several
     /// pipelines may share one.
     consumer: Option<String>,
@@ -814,19 +857,16 @@ struct RawPipeline {
     /// Several messages per transaction.
     #[serde(default)]
     batch: BatchConfig,
-    /// Where rejected messages go (default `<queue>.dead-letter`).
+    /// The older form's dead-letter queue (see `source`).
     #[serde(default, deserialize_with = "interpolated_option")]
     dead_letter_queue: Option<String>,
-    /// The queue's type when idem declares it (default `classic`).
-    #[serde(default)]
-    queue_type: QueueType,
-    /// Extra `x-…` arguments the queue is declared with (`x-delivery-limit`, `x-max-length`…).
+    /// The older form's queue type (see `source`).
+    queue_type: Option<QueueType>,
+    /// The older form's queue arguments (see `source`).
     #[schemars(with = "Option<BTreeMap<String, QueueArgument>>")]
     queue_arguments: Option<Spanned<BTreeMap<String, QueueArgument>>>,
-    /// `false`: the queue belongs to your infrastructure code; idem checks it exists and
-    /// never declares or changes it (default `true`).
-    #[serde(default = "default_declare")]
-    declare: bool,
+    /// The older form's `declare` (see `source`).
+    declare: Option<bool>,
     /// Tries of a message whose plugin failure is `retryable` (default 5).
     #[serde(default = "default_max_attempts")]
     max_attempts: NonZeroU32,
@@ -850,6 +890,125 @@ struct RawPipeline {
     /// The only SQL the plugin's effects can run: name = SQL with `$1`, `$2`, … parameters.
     #[schemars(with = "BTreeMap<String, String>")]
     statements: Spanned<BTreeMap<String, Spanned<String>>>,
+}
+
+/// The kinds of source a pipeline can consume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+enum SourceKind {
+    /// A RabbitMQ queue.
+    Rabbitmq,
+}
+
+/// `[pipelines.<name>.source]` as written.
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct RawSource {
+    /// The kind of broker: `rabbitmq`.
+    kind: SourceKind,
+    /// The RabbitMQ queue this pipeline consumes.
+    #[serde(default, deserialize_with = "interpolated_spanned_option")]
+    #[schemars(with = "Option<String>")]
+    queue: Option<Spanned<String>>,
+    /// Where rejected messages go (default `<queue>.dead-letter`).
+    #[serde(default, deserialize_with = "interpolated_option")]
+    dead_letter_queue: Option<String>,
+    /// The queue's type when idem declares it (default `classic`).
+    queue_type: Option<QueueType>,
+    /// Extra `x-…` arguments the queue is declared with (`x-delivery-limit`, `x-max-length`…).
+    #[schemars(with = "Option<BTreeMap<String, QueueArgument>>")]
+    queue_arguments: Option<Spanned<BTreeMap<String, QueueArgument>>>,
+    /// `false`: the queue belongs to your infrastructure code; idem checks it exists and
+    /// never declares or changes it (default `true`).
+    declare: Option<bool>,
+}
+
+/// A RabbitMQ source's keys, from `[pipelines.<name>.source]` or the older form.
+struct RabbitMqKeys {
+    queue: Option<Spanned<String>>,
+    dead_letter_queue: Option<String>,
+    queue_type: Option<QueueType>,
+    queue_arguments: Option<Spanned<BTreeMap<String, QueueArgument>>>,
+    declare: Option<bool>,
+}
+
+impl RabbitMqKeys {
+    fn any(&self) -> bool {
+        self.queue.is_some()
+            || self.dead_letter_queue.is_some()
+            || self.queue_type.is_some()
+            || self.queue_arguments.is_some()
+            || self.declare.is_some()
+    }
+
+    /// The source these keys describe; `table` is where they are written, `at` makes an
+    /// error naming a key of that table and the line of `span` (`None`: the table's line).
+    fn source(
+        self,
+        table: &str,
+        at: impl Fn(Option<Range<usize>>, &str, String) -> ConfigError,
+    ) -> Result<RabbitMqSource, ConfigError> {
+        let Some(queue) = self.queue else {
+            return Err(at(
+                None,
+                "queue",
+                "missing: the RabbitMQ queue this pipeline consumes".into(),
+            ));
+        };
+        let span = queue.span();
+        let queue = queue.into_inner().trim().to_string();
+        if queue.is_empty() || queue.len() > 255 {
+            return Err(at(
+                Some(span),
+                "queue",
+                "queue name must be 1 to 255 bytes".into(),
+            ));
+        }
+        let dead_letter_queue = self
+            .dead_letter_queue
+            .unwrap_or_else(|| format!("{queue}.dead-letter"));
+        if dead_letter_queue == queue {
+            return Err(at(
+                Some(span),
+                "dead_letter_queue",
+                format!("must differ from the queue {queue:?}"),
+            ));
+        }
+        let declare = self.declare.unwrap_or(true);
+        let queue_arguments = match self.queue_arguments {
+            Some(arguments) => {
+                let span = arguments.span();
+                for argument in arguments.get_ref().keys() {
+                    if !argument.starts_with("x-") || argument == "x-queue-type" {
+                        return Err(at(
+                            Some(span),
+                            "queue_arguments",
+                            format!(
+                                "{argument:?}: queue arguments are RabbitMQ's `x-…` names; the type is set with queue_type"
+                            ),
+                        ));
+                    }
+                }
+                if !declare && !arguments.get_ref().is_empty() {
+                    return Err(at(
+                        Some(span),
+                        "queue_arguments",
+                        "with declare = false idem never declares the queue, so its arguments are the infrastructure's to set; remove queue_arguments".into(),
+                    ));
+                }
+                arguments.into_inner()
+            }
+            None => BTreeMap::new(),
+        };
+        Ok(RabbitMqSource {
+            queue,
+            dead_letter_queue,
+            queue_type: self.queue_type.unwrap_or_default(),
+            queue_arguments,
+            declare,
+            table: table.to_string(),
+        })
+    }
 }
 
 /// The JSON Schema of `pipelines.toml` (`idem schema`), for editors: every table and key with
@@ -936,10 +1095,6 @@ fn checked_amqp(mut amqp: AmqpConfig, base_dir: &Path) -> Result<AmqpConfig, Str
         }
     }
     Ok(amqp)
-}
-
-fn default_declare() -> bool {
-    true
 }
 
 fn default_true() -> bool {
@@ -1118,6 +1273,12 @@ fn interpolated_spanned<'de, D: Deserializer<'de>>(
     Ok(Spanned::new(span, value))
 }
 
+fn interpolated_spanned_option<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Spanned<String>>, D::Error> {
+    interpolated_spanned(deserializer).map(Some)
+}
+
 fn interpolated_option<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<String>, D::Error> {
@@ -1269,6 +1430,64 @@ plugin = "plugins/loyalty.wasm"
 credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
 "#;
 
+    fn rabbitmq(pipeline: &PipelineConfig) -> &RabbitMqSource {
+        let SourceConfig::RabbitMq(source) = &pipeline.source;
+        source
+    }
+
+    /// `[pipelines.<name>.source]` and the older form beside it describe the same source;
+    /// both at once, or neither, are refused with the form to use.
+    #[test]
+    fn a_source_table_or_the_older_queue_keys() {
+        let source_form = VALID.replace("queue = \"order-completed\"\n", "")
+            + "\n[pipelines.loyalty.source]\nkind = \"rabbitmq\"\nqueue = \"order-completed\"\nqueue_type = \"quorum\"\ndeclare = false\n";
+        let config = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), &source_form)
+            .expect("the source form");
+        let source = rabbitmq(&config.pipelines[0]);
+        assert_eq!(source.queue, "order-completed");
+        assert_eq!(source.dead_letter_queue, "order-completed.dead-letter");
+        assert_eq!(source.queue_type, QueueType::Quorum);
+        assert!(!source.declare);
+        assert_eq!(source.table, "pipelines.loyalty.source");
+        let older = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), VALID)
+            .expect("the older form");
+        assert_eq!(rabbitmq(&older.pipelines[0]).table, "pipelines.loyalty");
+        assert_eq!(older.pipelines[0].queue(), "order-completed");
+
+        check_error(
+            &(VALID.to_string()
+                + "\n[pipelines.loyalty.source]\nkind = \"rabbitmq\"\nqueue = \"other\"\n"),
+            &[
+                "line 15",
+                "pipelines.loyalty.source",
+                "inside [pipelines.<name>.source]",
+            ],
+        );
+        check_error(
+            &VALID.replace("queue = \"order-completed\"\n", ""),
+            &["pipelines.loyalty: no source", "kind = \"rabbitmq\""],
+        );
+        check_error(
+            &(VALID.replace("queue = \"order-completed\"\n", "")
+                + "\n[pipelines.loyalty.source]\nkind = \"rabbitmq\"\n"),
+            &["pipelines.loyalty.source.queue", "missing"],
+        );
+        check_error(
+            &(VALID.replace("queue = \"order-completed\"\n", "")
+                + "\n[pipelines.loyalty.source]\nkind = \"kafka\"\nqueue = \"q\"\n"),
+            &["kafka", "rabbitmq"],
+        );
+        check_error(
+            &(VALID.replace("queue = \"order-completed\"\n", "")
+                + "\n[pipelines.loyalty.source]\nkind = \"rabbitmq\"\nqueue = \"q\"\ndead_letter_queue = \"q\"\n"),
+            &[
+                "line 16",
+                "pipelines.loyalty.source.dead_letter_queue",
+                "must differ",
+            ],
+        );
+    }
+
     #[track_caller]
     fn check_error(text: &str, fragments: &[&str]) {
         let error = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), text)
@@ -1286,7 +1505,7 @@ credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
             Config::from_toml(Path::new("/etc/idem/pipelines.toml"), VALID).expect("valid config");
         let pipeline = config.pipeline("loyalty").expect("pipeline loyalty");
         assert_eq!(pipeline.consumer, "loyalty");
-        assert_eq!(pipeline.dead_letter_queue, "order-completed.dead-letter");
+        assert_eq!(pipeline.dead_letter(), "order-completed.dead-letter");
         assert_eq!(pipeline.plugin, Path::new("/etc/idem/plugins/loyalty.wasm"));
         assert_eq!(pipeline.claim, ClaimMode::Ledger);
         assert_eq!(pipeline.limits, PluginLimits::default());
@@ -1379,9 +1598,10 @@ credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
             &queue("queue_type = \"quorum\"\nqueue_arguments = { \"x-delivery-limit\" = 5 }"),
         )
         .expect("a quorum queue");
-        assert_eq!(config.pipelines[0].queue_type, QueueType::Quorum);
+        let source = rabbitmq(&config.pipelines[0]);
+        assert_eq!(source.queue_type, QueueType::Quorum);
         assert_eq!(
-            config.pipelines[0].queue_arguments.get("x-delivery-limit"),
+            source.queue_arguments.get("x-delivery-limit"),
             Some(&QueueArgument::Integer(5))
         );
 
@@ -1450,8 +1670,11 @@ credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
         assert_eq!(pipeline["additionalProperties"], false);
         assert_eq!(
             pipeline["required"],
-            serde_json::json!(["queue", "plugin", "statements"])
+            serde_json::json!(["plugin", "statements"])
         );
+        let source = &schema["$defs"]["RawSource"];
+        assert_eq!(source["required"], serde_json::json!(["kind"]));
+        assert_eq!(source["additionalProperties"], false);
         let window = &schema["$defs"]["RetentionConfig"]["properties"]["window"];
         assert_eq!(window["type"], "string", "{window}");
         assert!(

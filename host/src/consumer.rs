@@ -37,7 +37,7 @@ pub async fn consume<S: Source>(
         };
         let lost = match opened {
             Ok(source) => {
-                info!(pipeline = %name, queue = %pipeline.config.queue, "Consuming.");
+                info!(pipeline = %name, queue = %pipeline.config.queue(), "Consuming.");
                 backoff.reset();
                 pipeline.consuming.store(true, Ordering::Relaxed);
                 let served = serve(&pipeline, source, &shutdown).await;
@@ -215,7 +215,7 @@ async fn tell_broker(
                 error_kind,
                 %reason,
                 message_id = delivery.message().message_id.as_deref().unwrap_or(""),
-                dead_letter_queue = %pipeline.config.dead_letter_queue,
+                dead_letter_queue = %pipeline.config.dead_letter(),
                 "Message rejected and dead-lettered."
             );
             delivery.dead_letter(error_kind, &reason).await

@@ -137,7 +137,7 @@ async fn ready(State(state): State<AppState>) -> impl IntoResponse {
             problems.push(format!(
                 "pipeline {:?}: not consuming {:?}",
                 pipeline.name(),
-                pipeline.config.queue
+                pipeline.config.queue()
             ));
         }
     }
@@ -164,8 +164,8 @@ async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
                 .unwrap_or_default();
             json!({
                 "name": pipeline.name(),
-                "queue": pipeline.config.queue,
-                "dead_letter_queue": pipeline.config.dead_letter_queue,
+                "queue": pipeline.config.queue(),
+                "dead_letter_queue": pipeline.config.dead_letter(),
                 "consuming": pipeline.consuming.load(Ordering::Relaxed),
                 "paused": pipeline.paused().map(|paused| json!({
                     "statement": paused.statement,

@@ -240,7 +240,7 @@ pub async fn self_test(
         let body = tokio::fs::read(path)
             .await
             .map_err(|error| refuse(path, format!("cannot read the message: {error}")))?;
-        let message = cases::Origin::of(config).message(body, &config.queue);
+        let message = cases::Origin::of(config).message(body, config.queue());
         match runtime.invoke(plugin, &config.limits, &message).await {
             Ok(Outcome::Skip { .. }) => {}
             Ok(Outcome::Decision(decision)) => {

@@ -129,16 +129,17 @@ async fn check_broker(config: &Config, problems: &mut Vec<String>) {
     };
     println!("ok   RabbitMQ at {endpoint}: credentials and vhost accepted");
     for pipeline_config in &config.pipelines {
+        let queues = rabbitmq::queues(pipeline_config);
         for role in [Role::Consumed, Role::DeadLetter] {
-            let queue = role.queue(pipeline_config);
+            let queue = role.queue(queues);
             let label = match role {
                 Role::Consumed => "queue",
                 Role::DeadLetter => "dead-letter queue",
             };
-            let declared = topology::describe(pipeline_config, role);
-            match topology::ensure(&connection, pipeline_config, role, false).await {
+            let declared = topology::describe(queues, role);
+            match topology::ensure(&connection, queues, role, false).await {
                 Ok(Found::Exists { ready, .. }) => {
-                    let how = if pipeline_config.declare {
+                    let how = if queues.declare {
                         format!("matches {declared}")
                     } else {
                         "used as your infrastructure declared it".to_string()
@@ -176,8 +177,8 @@ pub async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             pipeline_config.plugin.display()
         );
         for (label, queue) in [
-            ("queue", &pipeline_config.queue),
-            ("dead letters", &pipeline_config.dead_letter_queue),
+            ("queue", pipeline_config.queue()),
+            ("dead letters", pipeline_config.dead_letter()),
         ] {
             let depth = match rabbitmq::queue_depth(&config.amqp, queue).await {
                 Ok(Some(depth)) => format!("{} ready, {} consumers", depth.ready, depth.consumers),

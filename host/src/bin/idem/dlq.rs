@@ -70,7 +70,7 @@ async fn list(
     print_table(&["#", "AGE", "KIND", "REASON", "BODY"], rows);
     eprintln!(
         "{count} dead letter(s) in {:?} match; nothing was moved",
-        pipeline.dead_letter_queue
+        pipeline.dead_letter()
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -102,7 +102,7 @@ async fn show(
     let Some(letter) = found else {
         eprintln!(
             "idem dlq show: {:?} holds no message #{position} (`idem dlq list` numbers them from 1, oldest first)",
-            pipeline.dead_letter_queue
+            pipeline.dead_letter()
         );
         return Ok(ExitCode::FAILURE);
     };
@@ -113,7 +113,7 @@ async fn show(
         );
         return Ok(ExitCode::SUCCESS);
     }
-    println!("#{} in {:?}", letter.position, pipeline.dead_letter_queue);
+    println!("#{} in {:?}", letter.position, pipeline.dead_letter());
     println!("kind         {}", letter.kind.as_deref().unwrap_or("-"));
     println!("reason       {}", letter.reason.as_deref().unwrap_or("-"));
     println!("age          {}", letter.age.map_or("-".into(), format_age));
@@ -161,8 +161,8 @@ async fn replay(
     .await?;
     println!(
         "{verb} {moved} message(s) from {:?} to {:?}{}",
-        pipeline.dead_letter_queue,
-        pipeline.queue,
+        pipeline.dead_letter(),
+        pipeline.queue(),
         if dry_run {
             " (dry run: nothing moved)"
         } else {

@@ -422,7 +422,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             .await?;
             println!(
                 "replayed {moved} messages from {:?} to {:?}",
-                pipeline_config.dead_letter_queue, pipeline_config.queue
+                pipeline_config.dead_letter(),
+                pipeline_config.queue()
             );
             Ok(ExitCode::SUCCESS)
         }

@@ -54,7 +54,7 @@ pub async fn try_message(
     let plugin = pipeline::load_plugin(&runtime, pipeline_config).await?;
     let subject = delivery
         .subject
-        .unwrap_or_else(|| pipeline_config.queue.clone());
+        .unwrap_or_else(|| pipeline_config.queue().to_string());
     let mut inbound = Origin::of(pipeline_config).message(body, &subject);
     inbound.headers = headers;
     inbound.message_id = delivery.message_id;

@@ -87,7 +87,8 @@ pub async fn pass(
     action: Action,
     mut seen: impl FnMut(&DeadLetter),
 ) -> Result<u64, AmqpError> {
-    let queue = &pipeline.dead_letter_queue;
+    let queues = super::queues(pipeline);
+    let queue = &queues.dead_letter_queue;
     let (connection, channel) = connect_channel(amqp, "dlq").await?;
     let acks = super::Acks::spawn(channel.clone());
     channel
@@ -95,7 +96,7 @@ pub async fn pass(
         .await
         .map_err(|source| AmqpError::Topology {
             action: "enable publisher confirms for replay into",
-            queue: pipeline.queue.clone(),
+            queue: queues.queue.clone(),
             source,
         })?;
     // Only what is there now: a message dead-lettered again while this runs is not met twice.
@@ -147,7 +148,7 @@ pub async fn pass(
         }
         let headers = replay_headers(&receipt, letter.replays + 1);
         if let Err(error) = receipt
-            .publish_copy(&channel, &pipeline.queue, headers, Copy::Requeue)
+            .publish_copy(&channel, &queues.queue, headers, Copy::Requeue)
             .await
         {
             kept.push(receipt);
@@ -215,7 +216,7 @@ fn describe(
                 .unwrap_or_default()
         });
     // The message as the pipeline's plugin saw it: from the pipeline's queue.
-    let message = inbound_message(&pipeline.name, &pipeline.queue, false, delivery);
+    let message = inbound_message(&pipeline.name, pipeline.queue(), false, delivery);
     DeadLetter {
         position,
         message,

@@ -25,9 +25,16 @@ pub use acks::Acks;
 pub use connect::connect;
 use topology::Role;
 
-use crate::config::{AmqpConfig, PipelineConfig, QueueType};
+use crate::config::{AmqpConfig, PipelineConfig, QueueType, RabbitMqSource, SourceConfig};
 use crate::message::InboundMessage;
 use crate::source::{Delivery, Source, SourceError};
+
+/// `pipeline`'s queue and dead-letter queue.
+pub fn queues(pipeline: &PipelineConfig) -> &RabbitMqSource {
+    match &pipeline.source {
+        SourceConfig::RabbitMq(queues) => queues,
+    }
+}
 
 /// The source kind a plugin sees in `message.source`.
 pub const KIND: &str = "rabbitmq";
@@ -128,7 +135,7 @@ impl Session {
         let name = format!(
             "idem {} on {} (pid {})",
             pipeline.name,
-            pipeline.queue,
+            queues(pipeline).queue,
             std::process::id()
         );
         let connection = connect(amqp, name).await?;
@@ -157,10 +164,11 @@ impl Session {
         connection: &Connection,
         pipeline: &PipelineConfig,
     ) -> Result<(Channel, Consumer, String), AmqpError> {
-        topology::ensure(connection, pipeline, Role::Consumed, true).await?;
-        topology::ensure(connection, pipeline, Role::DeadLetter, true).await?;
+        let queues = queues(pipeline);
+        topology::ensure(connection, queues, Role::Consumed, true).await?;
+        topology::ensure(connection, queues, Role::DeadLetter, true).await?;
         let failed =
-            |action| move |source| topology::refusal(pipeline, Role::Consumed, action, source);
+            |action| move |source| topology::refusal(queues, Role::Consumed, action, source);
         let channel = connection
             .create_channel()
             .await
@@ -176,7 +184,7 @@ impl Session {
         let consumer_tag = format!("idem-{}-{}", pipeline.name, std::process::id());
         let consumer = channel
             .basic_consume(
-                ShortString::from(pipeline.queue.as_str()),
+                ShortString::from(queues.queue.as_str()),
                 ShortString::from(consumer_tag.as_str()),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -228,7 +236,7 @@ impl Source for Session {
 
     async fn next(&mut self) -> Result<Received, SourceError> {
         let lost = |reason: String| AmqpError::ConsumerLost {
-            queue: self.route.pipeline.queue.clone(),
+            queue: queues(&self.route.pipeline).queue.clone(),
             reason,
         };
         match self.consumer.next().await {
@@ -288,7 +296,7 @@ impl Delivery for Received {
         }
         let published = self
             .receipt
-            .retry(&route.channel, &route.pipeline.queue, attempt)
+            .retry(&route.channel, &queues(&route.pipeline).queue, attempt)
             .await;
         self.moved_or_returned(published).await
     }
@@ -297,7 +305,7 @@ impl Delivery for Received {
         let route = &self.route;
         let published = self
             .receipt
-            .requeue(&route.channel, &route.pipeline.queue)
+            .requeue(&route.channel, &queues(&route.pipeline).queue)
             .await;
         self.moved_or_returned(published).await
     }
@@ -364,8 +372,9 @@ pub fn receive(
         .and_then(|attempt| u32::try_from(attempt).ok())
         .unwrap_or(1)
         .max(1);
-    let counted = pipeline.queue_type == QueueType::Quorum;
-    let message = inbound_message(&pipeline.name, &pipeline.queue, counted, &delivery);
+    let queues = queues(pipeline);
+    let counted = queues.queue_type == QueueType::Quorum;
+    let message = inbound_message(&pipeline.name, &queues.queue, counted, &delivery);
     (message, Receipt::of(delivery, acks, attempt))
 }
 
@@ -480,7 +489,7 @@ impl Receipt {
         );
         headers.insert(
             ShortString::from("x-idem-queue"),
-            AMQPValue::LongString(LongString::from(pipeline.queue.as_str())),
+            AMQPValue::LongString(LongString::from(queues(pipeline).queue.as_str())),
         );
         headers.insert(
             ShortString::from(REJECTED_AT_HEADER),
@@ -488,7 +497,7 @@ impl Receipt {
         );
         self.publish_copy(
             channel,
-            &pipeline.dead_letter_queue,
+            &queues(pipeline).dead_letter_queue,
             headers,
             Copy::DeadLetter,
         )

@@ -11,7 +11,7 @@ use lapin::{Channel, Connection};
 
 use super::AmqpError;
 use super::connect::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, reply};
-use crate::config::{PipelineConfig, QueueArgument, QueueType};
+use crate::config::{QueueArgument, QueueType, RabbitMqSource};
 
 /// Which of a pipeline's queues.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,10 +23,10 @@ pub enum Role {
 }
 
 impl Role {
-    pub fn queue(self, pipeline: &PipelineConfig) -> &str {
+    pub fn queue(self, queues: &RabbitMqSource) -> &str {
         match self {
-            Role::Consumed => &pipeline.queue,
-            Role::DeadLetter => &pipeline.dead_letter_queue,
+            Role::Consumed => &queues.queue,
+            Role::DeadLetter => &queues.dead_letter_queue,
         }
     }
 
@@ -54,23 +54,23 @@ pub enum Found {
 /// the broker's refusals into configuration faults naming the setting.
 pub async fn ensure(
     connection: &Connection,
-    pipeline: &PipelineConfig,
+    queues: &RabbitMqSource,
     role: Role,
     create: bool,
 ) -> Result<Found, AmqpError> {
-    let queue = role.queue(pipeline);
+    let queue = role.queue(queues);
     // The dead-letter queue is idem's own even when the consumed queue is not: it is
     // declared when missing, and used as it is when it exists.
-    let may_declare = pipeline.declare || role == Role::DeadLetter;
-    let channel = open_channel(connection, pipeline, role).await?;
+    let may_declare = queues.declare || role == Role::DeadLetter;
+    let channel = open_channel(connection, queues, role).await?;
     match inspect(&channel, queue).await {
         Ok(existing) => {
-            if pipeline.declare {
+            if queues.declare {
                 // Declaring an existing queue with the same arguments changes nothing; with
                 // other arguments the broker refuses and names the difference.
-                declare(&channel, pipeline, role)
+                declare(&channel, queues, role)
                     .await
-                    .map_err(|error| refusal(pipeline, role, "declare", error))?;
+                    .map_err(|error| refusal(queues, role, "declare", error))?;
             }
             close(channel).await;
             Ok(Found::Exists {
@@ -86,11 +86,11 @@ pub async fn ensure(
         {
             if !may_declare {
                 return Err(AmqpError::Refused {
-                    subject: format!("queue {queue:?} of pipeline {}", pipeline.name),
+                    subject: format!("{}.queue {queue:?}", queues.table),
                     reason: "it does not exist".into(),
                     setting: format!(
-                        "pipelines.{}.queue and declare = false: with declare = false the queue must be declared by your infrastructure before idem starts (or remove declare = false and idem declares it)",
-                        pipeline.name
+                        "{}.queue and declare = false: with declare = false the queue must be declared by your infrastructure before idem starts (or remove declare = false and idem declares it)",
+                        queues.table
                     ),
                 });
             }
@@ -98,19 +98,19 @@ pub async fn ensure(
                 return Ok(Found::Missing);
             }
             // The failed passive declare closed that channel.
-            let channel = open_channel(connection, pipeline, role).await?;
-            declare(&channel, pipeline, role)
+            let channel = open_channel(connection, queues, role).await?;
+            declare(&channel, queues, role)
                 .await
-                .map_err(|error| refusal(pipeline, role, "declare", error))?;
+                .map_err(|error| refusal(queues, role, "declare", error))?;
             close(channel).await;
             Ok(Found::Declared)
         }
-        Err(error) => Err(refusal(pipeline, role, "inspect", error)),
+        Err(error) => Err(refusal(queues, role, "inspect", error)),
     }
 }
 
 /// The arguments idem declares `role`'s queue with.
-pub fn arguments(pipeline: &PipelineConfig, role: Role) -> FieldTable {
+pub fn arguments(queues: &RabbitMqSource, role: Role) -> FieldTable {
     let mut arguments = BTreeMap::new();
     let mut text = |name: &str, value: &str| {
         arguments.insert(
@@ -118,9 +118,9 @@ pub fn arguments(pipeline: &PipelineConfig, role: Role) -> FieldTable {
             AMQPValue::LongString(LongString::from(value)),
         );
     };
-    if pipeline.queue_type == QueueType::Quorum {
+    if queues.queue_type == QueueType::Quorum {
         text("x-queue-type", "quorum");
-        let own_dead_lettering = pipeline
+        let own_dead_lettering = queues
             .queue_arguments
             .keys()
             .any(|name| name.starts_with("x-dead-letter-"));
@@ -129,15 +129,15 @@ pub fn arguments(pipeline: &PipelineConfig, role: Role) -> FieldTable {
             // and the broker keeps it until that queue confirms it (at-least-once, which
             // needs reject-publish overflow).
             text("x-dead-letter-exchange", "");
-            text("x-dead-letter-routing-key", &pipeline.dead_letter_queue);
+            text("x-dead-letter-routing-key", &queues.dead_letter_queue);
             text("x-dead-letter-strategy", "at-least-once");
-            if !pipeline.queue_arguments.contains_key("x-overflow") {
+            if !queues.queue_arguments.contains_key("x-overflow") {
                 text("x-overflow", "reject-publish");
             }
         }
     }
     if role == Role::Consumed {
-        for (name, value) in &pipeline.queue_arguments {
+        for (name, value) in &queues.queue_arguments {
             let value = match value {
                 QueueArgument::Integer(integer) => AMQPValue::LongLongInt(*integer),
                 QueueArgument::Boolean(flag) => AMQPValue::Boolean(*flag),
@@ -165,24 +165,24 @@ pub(super) async fn inspect(channel: &Channel, queue: &str) -> Result<lapin::Que
 
 async fn declare(
     channel: &Channel,
-    pipeline: &PipelineConfig,
+    queues: &RabbitMqSource,
     role: Role,
 ) -> Result<lapin::Queue, lapin::Error> {
     channel
         .queue_declare(
-            ShortString::from(role.queue(pipeline)),
+            ShortString::from(role.queue(queues)),
             QueueDeclareOptions {
                 durable: true,
                 ..QueueDeclareOptions::default()
             },
-            arguments(pipeline, role),
+            arguments(queues, role),
         )
         .await
 }
 
 async fn open_channel(
     connection: &Connection,
-    pipeline: &PipelineConfig,
+    queues: &RabbitMqSource,
     role: Role,
 ) -> Result<Channel, AmqpError> {
     connection
@@ -190,7 +190,7 @@ async fn open_channel(
         .await
         .map_err(|source| AmqpError::Topology {
             action: "open a channel for",
-            queue: role.queue(pipeline).to_string(),
+            queue: role.queue(queues).to_string(),
             source,
         })
 }
@@ -202,23 +202,23 @@ async fn close(channel: Channel) {
 /// A broker refusal about `role`'s queue: a configuration fault naming the setting when the
 /// queue is declared otherwise or not permitted, a passing fault otherwise.
 pub(super) fn refusal(
-    pipeline: &PipelineConfig,
+    queues: &RabbitMqSource,
     role: Role,
     action: &'static str,
     error: lapin::Error,
 ) -> AmqpError {
-    let queue = role.queue(pipeline);
+    let queue = role.queue(queues);
     let setting = match reply(&error) {
         Some((PRECONDITION_FAILED, _)) => match role {
             Role::Consumed => format!(
-                "pipelines.{name}.queue_type and queue_arguments: they must match how {queue:?} was declared (idem declares it {declared}), or set declare = false to use the queue as it is",
-                name = pipeline.name,
-                declared = describe(pipeline, role),
+                "{table}.queue_type and queue_arguments: they must match how {queue:?} was declared (idem declares it {declared}), or set declare = false to use the queue as it is",
+                table = queues.table,
+                declared = describe(queues, role),
             ),
             Role::DeadLetter => format!(
-                "pipelines.{name}.dead_letter_queue and queue_type: {queue:?} exists with other arguments than idem declares ({declared}); name another dead-letter queue, or set queue_type to the type it has",
-                name = pipeline.name,
-                declared = describe(pipeline, role),
+                "{table}.dead_letter_queue and queue_type: {queue:?} exists with other arguments than idem declares ({declared}); name another dead-letter queue, or set queue_type to the type it has",
+                table = queues.table,
+                declared = describe(queues, role),
             ),
         },
         Some((ACCESS_REFUSED, _)) => format!(
@@ -233,16 +233,16 @@ pub(super) fn refusal(
         }
     };
     AmqpError::Refused {
-        subject: format!("pipelines.{}.{} {queue:?}", pipeline.name, role.key()),
+        subject: format!("{}.{} {queue:?}", queues.table, role.key()),
         reason: error.to_string(),
         setting,
     }
 }
 
 /// How idem declares `role`'s queue, for messages: `quorum, x-delivery-limit=5, …`.
-pub fn describe(pipeline: &PipelineConfig, role: Role) -> String {
-    let table = arguments(pipeline, role);
-    let mut words = vec![match pipeline.queue_type {
+pub fn describe(queues: &RabbitMqSource, role: Role) -> String {
+    let table = arguments(queues, role);
+    let mut words = vec![match queues.queue_type {
         QueueType::Classic => "classic, durable".to_string(),
         QueueType::Quorum => "quorum".to_string(),
     }];
