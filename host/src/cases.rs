@@ -441,7 +441,7 @@ impl<'a> Origin<'a> {
     pub fn of(pipeline: &'a PipelineConfig) -> Origin<'a> {
         Origin {
             pipeline: &pipeline.name,
-            source: rabbitmq::KIND,
+            source: pipeline.source_kind(),
             queue: pipeline.queue(),
         }
     }

@@ -20,7 +20,8 @@ pub struct Config {
     /// The file it was read from.
     pub path: PathBuf,
     pub database: DatabaseConfig,
-    pub amqp: AmqpConfig,
+    /// The RabbitMQ broker; present whenever a pipeline or an outbox destination uses it.
+    pub amqp: Option<AmqpConfig>,
     /// The HTTP endpoint (`/metrics`, `/healthz`, `/readyz`, `/admin/…`); none when absent.
     pub http: Option<HttpConfig>,
     /// Pipelines by name, in name order.
@@ -196,6 +197,45 @@ pub struct PipelineConfig {
 #[derive(Debug, Clone)]
 pub enum SourceConfig {
     RabbitMq(RabbitMqSource),
+    JetStream(JetStreamSource),
+}
+
+impl SourceConfig {
+    /// The kinds' names, as `kind` in the config and `message.source` for plugins.
+    pub const RABBITMQ: &'static str = "rabbitmq";
+    pub const JETSTREAM: &'static str = "jetstream";
+}
+
+/// A NATS JetStream stream, read through a durable pull consumer.
+#[derive(Debug, Clone)]
+pub struct JetStreamSource {
+    /// NATS server URLs (`nats://host:4222`); the client fails over between them.
+    pub servers: Vec<String>,
+    /// Credentials, when the server asks for them.
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub token: Option<String>,
+    pub stream: String,
+    /// The subject filter of the consumer; the stream's subjects when absent.
+    pub subject: Option<String>,
+    /// The durable consumer's name.
+    pub consumer: String,
+    /// `true`: the stream, the consumer and the dead-letter stream are created when missing
+    /// (and an existing consumer must match); `false`: they must exist and are used as they are.
+    pub declare: bool,
+    /// How long the server waits for an ack before delivering the message again.
+    pub ack_wait: Duration,
+    /// Deliveries of one message the server makes at most (`None`: no limit).
+    pub max_deliver: Option<i64>,
+    /// Where rejected messages are published, with the reason in their headers.
+    pub dead_letter_subject: String,
+    /// The stream that keeps the dead letters (created with `declare`).
+    pub dead_letter_stream: String,
+    /// Tell the server the message is still being worked on (`+WPI`) while its handling
+    /// outlives half of `ack_wait`.
+    pub in_progress: bool,
+    /// The table these keys are written in, for messages that name a setting.
+    pub table: String,
 }
 
 /// A RabbitMQ queue and its dead-letter queue.
@@ -505,7 +545,6 @@ impl Config {
         let file: PipelinesFile =
             toml::from_str(text).map_err(|error| invalid(error.to_string()))?;
         let base_dir = path.parent().unwrap_or(Path::new("."));
-        let amqp_span = file.amqp.span();
         let outbox = match file.outbox {
             Some(spanned) => {
                 let span = spanned.span();
@@ -620,22 +659,33 @@ impl Config {
                         ));
                     }
                     let raw_source = source.into_inner();
-                    let keys = RabbitMqKeys {
-                        queue: raw_source.queue,
-                        dead_letter_queue: raw_source.dead_letter_queue,
-                        queue_type: raw_source.queue_type,
-                        queue_arguments: raw_source.queue_arguments,
-                        declare: raw_source.declare,
+                    let source_at = |span: Option<Range<usize>>, key: &str, problem: String| {
+                        at(
+                            span.unwrap_or(table_span.clone()),
+                            &format!("source.{key}"),
+                            problem,
+                        )
                     };
                     match raw_source.kind {
                         SourceKind::Rabbitmq => {
-                            SourceConfig::RabbitMq(keys.source(&table, |span, key, problem| {
-                                at(
-                                    span.unwrap_or(table_span.clone()),
-                                    &format!("source.{key}"),
-                                    problem,
-                                )
-                            })?)
+                            if let Some(key) = raw_source.jetstream_keys().first() {
+                                return Err(source_at(
+                                    None,
+                                    key,
+                                    "a JetStream setting; a RabbitMQ source names a queue".into(),
+                                ));
+                            }
+                            let keys = RabbitMqKeys {
+                                queue: raw_source.queue,
+                                dead_letter_queue: raw_source.dead_letter_queue,
+                                queue_type: raw_source.queue_type,
+                                queue_arguments: raw_source.queue_arguments,
+                                declare: raw_source.declare,
+                            };
+                            SourceConfig::RabbitMq(keys.source(&table, source_at)?)
+                        }
+                        SourceKind::Jetstream => {
+                            SourceConfig::JetStream(raw_source.jetstream(&name, &table, source_at)?)
                         }
                     }
                 }
@@ -708,6 +758,42 @@ impl Config {
                 "no pipelines: add a [pipelines.<name>] table".into(),
             ));
         }
+        let amqp = match file.amqp {
+            Some(amqp) => {
+                let span = amqp.span();
+                Some(
+                    checked_amqp(amqp.into_inner(), base_dir).map_err(|problem| {
+                        invalid(format!(
+                            "line {}: amqp.{problem}",
+                            line_of(text, span.start)
+                        ))
+                    })?,
+                )
+            }
+            None => {
+                let rabbitmq_pipeline = pipelines
+                    .iter()
+                    .find(|pipeline| matches!(pipeline.source, SourceConfig::RabbitMq(_)))
+                    .map(|pipeline| {
+                        format!("pipeline {:?} consumes a RabbitMQ queue", pipeline.name)
+                    });
+                let amqp_destination = outbox.as_ref().and_then(|outbox| {
+                    outbox
+                        .destinations
+                        .iter()
+                        .find(|(_, destination)| matches!(destination, Destination::Amqp { .. }))
+                        .map(|(name, _)| {
+                            format!("outbox destination {name:?} is a RabbitMQ exchange")
+                        })
+                });
+                if let Some(user) = rabbitmq_pipeline.or(amqp_destination) {
+                    return Err(invalid(format!(
+                        "amqp: missing: {user}; add [amqp] with url = \"amqp://…\""
+                    )));
+                }
+                None
+            }
+        };
         Ok(Config {
             path: path.to_path_buf(),
             database: {
@@ -722,12 +808,7 @@ impl Config {
                 }
                 database
             },
-            amqp: checked_amqp(file.amqp.into_inner(), base_dir).map_err(|problem| {
-                invalid(format!(
-                    "line {}: amqp.{problem}",
-                    line_of(text, amqp_span.start)
-                ))
-            })?,
+            amqp,
             http,
             pipelines,
             outbox,
@@ -746,13 +827,23 @@ impl PipelineConfig {
     pub fn queue(&self) -> &str {
         match &self.source {
             SourceConfig::RabbitMq(source) => &source.queue,
+            SourceConfig::JetStream(source) => &source.stream,
         }
     }
 
-    /// Where rejected messages go: the dead-letter queue.
+    /// Where rejected messages go: the dead-letter queue, or subject.
     pub fn dead_letter(&self) -> &str {
         match &self.source {
             SourceConfig::RabbitMq(source) => &source.dead_letter_queue,
+            SourceConfig::JetStream(source) => &source.dead_letter_subject,
+        }
+    }
+
+    /// The kind of source, as plugins see it in `message.source`.
+    pub fn source_kind(&self) -> &'static str {
+        match &self.source {
+            SourceConfig::RabbitMq(_) => SourceConfig::RABBITMQ,
+            SourceConfig::JetStream(_) => SourceConfig::JETSTREAM,
         }
     }
 
@@ -804,9 +895,10 @@ impl Default for PluginLimits {
 struct PipelinesFile {
     /// PostgreSQL: the claims, the effects and the outbox live there.
     database: DatabaseConfig,
-    /// RabbitMQ.
-    #[schemars(with = "AmqpConfig")]
-    amqp: Spanned<AmqpConfig>,
+    /// RabbitMQ: required when a pipeline consumes a RabbitMQ queue or the outbox publishes to
+    /// an exchange.
+    #[schemars(with = "Option<AmqpConfig>")]
+    amqp: Option<Spanned<AmqpConfig>>,
     /// The HTTP endpoint (`/metrics`, `/healthz`, `/readyz`, `/admin/…`); off when absent.
     #[schemars(with = "Option<HttpConfig>")]
     http: Option<Spanned<HttpConfig>>,
@@ -898,6 +990,8 @@ struct RawPipeline {
 enum SourceKind {
     /// A RabbitMQ queue.
     Rabbitmq,
+    /// A NATS JetStream stream.
+    Jetstream,
 }
 
 /// `[pipelines.<name>.source]` as written.
@@ -918,9 +1012,218 @@ struct RawSource {
     /// Extra `x-…` arguments the queue is declared with (`x-delivery-limit`, `x-max-length`…).
     #[schemars(with = "Option<BTreeMap<String, QueueArgument>>")]
     queue_arguments: Option<Spanned<BTreeMap<String, QueueArgument>>>,
-    /// `false`: the queue belongs to your infrastructure code; idem checks it exists and
-    /// never declares or changes it (default `true`).
+    /// RabbitMQ: `false`, the queue belongs to your infrastructure code; idem checks it exists
+    /// and never declares or changes it. JetStream: `false`, the stream and the consumer must
+    /// exist and are used as they are (default `true`).
     declare: Option<bool>,
+    /// JetStream: the NATS server URLs (`nats://host:4222`).
+    #[serde(default, deserialize_with = "interpolated_spanned_list")]
+    #[schemars(with = "Option<Vec<String>>")]
+    servers: Option<Spanned<Vec<String>>>,
+    /// JetStream: the user, with `password`, when the server asks for one.
+    #[serde(default, deserialize_with = "interpolated_option")]
+    user: Option<String>,
+    /// JetStream: the password of `user`.
+    #[serde(default, deserialize_with = "interpolated_option")]
+    password: Option<String>,
+    /// JetStream: an authentication token, when the server asks for one.
+    #[serde(default, deserialize_with = "interpolated_option")]
+    token: Option<String>,
+    /// JetStream: the stream this pipeline consumes.
+    #[serde(default, deserialize_with = "interpolated_spanned_option")]
+    #[schemars(with = "Option<String>")]
+    stream: Option<Spanned<String>>,
+    /// JetStream: the consumer's subject filter (default: every subject of the stream; the
+    /// stream idem creates takes `<stream>.>` then).
+    #[serde(default, deserialize_with = "interpolated_option")]
+    subject: Option<String>,
+    /// JetStream: the durable consumer's name (default `idem-<pipeline>`).
+    #[serde(default, deserialize_with = "interpolated_option")]
+    consumer: Option<String>,
+    /// JetStream: how long the server waits for an ack before it delivers again (default 30s).
+    #[serde(default, deserialize_with = "duration_option")]
+    #[schemars(schema_with = "duration_schema")]
+    ack_wait: Option<Duration>,
+    /// JetStream: deliveries of a message the server makes at most (default: no limit).
+    max_deliver: Option<i64>,
+    /// JetStream: where rejected messages are published, outside the consumed subjects
+    /// (default `<dead_letter_stream>.<pipeline>`).
+    #[serde(default, deserialize_with = "interpolated_option")]
+    dead_letter_subject: Option<String>,
+    /// JetStream: the stream keeping the dead letters, created with `declare` (default
+    /// `<stream>_DEAD_LETTERS`).
+    #[serde(default, deserialize_with = "interpolated_option")]
+    dead_letter_stream: Option<String>,
+    /// JetStream: send in-progress acks while a message's handling outlives half of
+    /// `ack_wait`, so the server does not deliver it again meanwhile (default `true`).
+    in_progress: Option<bool>,
+}
+
+impl RawSource {
+    /// The JetStream-only keys that are set, by name.
+    fn jetstream_keys(&self) -> Vec<&'static str> {
+        [
+            ("servers", self.servers.is_some()),
+            ("user", self.user.is_some()),
+            ("password", self.password.is_some()),
+            ("token", self.token.is_some()),
+            ("stream", self.stream.is_some()),
+            ("subject", self.subject.is_some()),
+            ("consumer", self.consumer.is_some()),
+            ("ack_wait", self.ack_wait.is_some()),
+            ("max_deliver", self.max_deliver.is_some()),
+            ("dead_letter_subject", self.dead_letter_subject.is_some()),
+            ("dead_letter_stream", self.dead_letter_stream.is_some()),
+            ("in_progress", self.in_progress.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(key, set)| set.then_some(key))
+        .collect()
+    }
+
+    /// The JetStream source these keys describe, for pipeline `pipeline`.
+    fn jetstream(
+        self,
+        pipeline: &str,
+        table: &str,
+        at: impl Fn(Option<Range<usize>>, &str, String) -> ConfigError,
+    ) -> Result<JetStreamSource, ConfigError> {
+        for (key, set) in [
+            ("queue", self.queue.is_some()),
+            ("dead_letter_queue", self.dead_letter_queue.is_some()),
+            ("queue_type", self.queue_type.is_some()),
+            ("queue_arguments", self.queue_arguments.is_some()),
+        ] {
+            if set {
+                return Err(at(
+                    None,
+                    key,
+                    "a RabbitMQ setting; a JetStream source names a stream (and subject)".into(),
+                ));
+            }
+        }
+        let Some(stream) = self.stream else {
+            return Err(at(
+                None,
+                "stream",
+                "missing: the JetStream stream this pipeline consumes".into(),
+            ));
+        };
+        let span = stream.span();
+        let stream = stream.into_inner();
+        let name_ok = |name: &str| {
+            !name.is_empty()
+                && name.len() <= 255
+                && !name
+                    .chars()
+                    .any(|character| character.is_whitespace() || ".*>/\\".contains(character))
+        };
+        if !name_ok(&stream) {
+            return Err(at(
+                Some(span),
+                "stream",
+                format!(
+                    "{stream:?}: a stream name is 1 to 255 bytes without spaces, '.', '*', '>', '/' or '\\'"
+                ),
+            ));
+        }
+        let servers = match self.servers {
+            Some(servers) if servers.get_ref().is_empty() => {
+                return Err(at(
+                    Some(servers.span()),
+                    "servers",
+                    "give at least one NATS server URL".into(),
+                ));
+            }
+            Some(servers) => servers.into_inner(),
+            None => {
+                return Err(at(
+                    None,
+                    "servers",
+                    "missing: the NATS server URLs, e.g. [\"nats://127.0.0.1:4222\"]".into(),
+                ));
+            }
+        };
+        let consumer = self.consumer.unwrap_or_else(|| format!("idem-{pipeline}"));
+        if !name_ok(&consumer) {
+            return Err(at(
+                None,
+                "consumer",
+                format!("{consumer:?}: a consumer name has no spaces, '.', '*', '>', '/' or '\\'"),
+            ));
+        }
+        let ack_wait = self.ack_wait.unwrap_or(Duration::from_secs(30));
+        if ack_wait < Duration::from_secs(1) {
+            return Err(at(
+                None,
+                "ack_wait",
+                format!("{ack_wait:?} is too short: at least 1s"),
+            ));
+        }
+        if self.max_deliver.is_some_and(|max| max < 1) {
+            return Err(at(
+                None,
+                "max_deliver",
+                "at least 1 (leave it out for no limit)".into(),
+            ));
+        }
+        let dead_letter_stream = self
+            .dead_letter_stream
+            .unwrap_or_else(|| format!("{stream}_DEAD_LETTERS"));
+        if dead_letter_stream == stream || !name_ok(&dead_letter_stream) {
+            return Err(at(
+                None,
+                "dead_letter_stream",
+                format!("{dead_letter_stream:?}: a stream name of its own, other than {stream:?}"),
+            ));
+        }
+        let dead_letter_subject = self
+            .dead_letter_subject
+            .unwrap_or_else(|| format!("{dead_letter_stream}.{pipeline}"));
+        let consumed = self
+            .subject
+            .clone()
+            .unwrap_or_else(|| format!("{stream}.>"));
+        if subject_matches(&consumed, &dead_letter_subject) {
+            return Err(at(
+                None,
+                "dead_letter_subject",
+                format!(
+                    "{dead_letter_subject:?} is consumed by the pipeline itself (subject {consumed:?}): a dead letter would come back; name a subject outside it"
+                ),
+            ));
+        }
+        Ok(JetStreamSource {
+            servers,
+            user: self.user,
+            password: self.password,
+            token: self.token,
+            stream,
+            subject: self.subject,
+            consumer,
+            declare: self.declare.unwrap_or(true),
+            ack_wait,
+            max_deliver: self.max_deliver,
+            dead_letter_subject,
+            dead_letter_stream,
+            in_progress: self.in_progress.unwrap_or(true),
+            table: table.to_string(),
+        })
+    }
+}
+
+/// Whether NATS subject `subject` is matched by `filter` (`*` one token, `>` the rest).
+fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut subject_tokens = subject.split('.');
+    for token in filter.split('.') {
+        match (token, subject_tokens.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (token, Some(other)) if token == other => {}
+            _ => return false,
+        }
+    }
+    subject_tokens.next().is_none()
 }
 
 /// A RabbitMQ source's keys, from `[pipelines.<name>.source]` or the older form.
@@ -1062,6 +1365,12 @@ fn default_every() -> Duration {
 fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(deserializer)?;
     parse_duration(&text).map_err(serde::de::Error::custom)
+}
+
+fn duration_option<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Duration>, D::Error> {
+    duration(deserializer).map(Some)
 }
 
 /// The `[amqp]` table with its URL checked and its TLS paths resolved; the problem names the
@@ -1279,6 +1588,20 @@ fn interpolated_spanned_option<'de, D: Deserializer<'de>>(
     interpolated_spanned(deserializer).map(Some)
 }
 
+fn interpolated_spanned_list<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Spanned<Vec<String>>>, D::Error> {
+    let raw = Spanned::<Vec<String>>::deserialize(deserializer)?;
+    let span = raw.span();
+    let values = raw
+        .into_inner()
+        .iter()
+        .map(|value| expand_env(value, |name| std::env::var(name).ok()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(serde::de::Error::custom)?;
+    Ok(Some(Spanned::new(span, values)))
+}
+
 fn interpolated_option<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<String>, D::Error> {
@@ -1431,8 +1754,89 @@ credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
 "#;
 
     fn rabbitmq(pipeline: &PipelineConfig) -> &RabbitMqSource {
-        let SourceConfig::RabbitMq(source) = &pipeline.source;
+        let SourceConfig::RabbitMq(source) = &pipeline.source else {
+            panic!("a RabbitMQ source, not {:?}", pipeline.source);
+        };
         source
+    }
+
+    /// A JetStream source: its defaults, and the keys of one kind refused on the other.
+    #[test]
+    fn a_jetstream_source() {
+        let jetstream = |keys: &str| {
+            VALID.replace("queue = \"order-completed\"\n", "")
+                + "\n[pipelines.loyalty.source]\nkind = \"jetstream\"\n"
+                + keys
+        };
+        let config = Config::from_toml(
+            Path::new("/etc/idem/pipelines.toml"),
+            &jetstream("servers = [\"nats://127.0.0.1:4222\"]\nstream = \"ORDERS\"\nsubject = \"orders.completed\"\n"),
+        )
+        .expect("a JetStream source");
+        let pipeline = &config.pipelines[0];
+        let SourceConfig::JetStream(source) = &pipeline.source else {
+            panic!("not JetStream: {:?}", pipeline.source);
+        };
+        assert_eq!(source.consumer, "idem-loyalty");
+        assert_eq!(source.ack_wait, Duration::from_secs(30));
+        assert_eq!(source.max_deliver, None);
+        assert_eq!(source.dead_letter_subject, "ORDERS_DEAD_LETTERS.loyalty");
+        assert_eq!(source.dead_letter_stream, "ORDERS_DEAD_LETTERS");
+        assert!(source.declare && source.in_progress);
+        assert_eq!(pipeline.queue(), "ORDERS");
+        assert_eq!(pipeline.source_kind(), "jetstream");
+
+        let without_amqp =
+            jetstream("servers = [\"nats://127.0.0.1:4222\"]\nstream = \"ORDERS\"\n")
+                .replace("[amqp]\nurl = \"amqp://127.0.0.1\"\n", "");
+        let config = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), &without_amqp)
+            .expect("a stream-only config needs no [amqp]");
+        assert!(config.amqp.is_none());
+        check_error(
+            &VALID.replace("[amqp]\nurl = \"amqp://127.0.0.1\"\n", ""),
+            &[
+                "amqp: missing",
+                "pipeline \"loyalty\" consumes a RabbitMQ queue",
+            ],
+        );
+        check_error(
+            &jetstream(
+                "servers = [\"nats://h\"]\nstream = \"ORDERS\"\nsubject = \"orders.>\"\ndead_letter_subject = \"orders.dead\"\n",
+            ),
+            &[
+                "pipelines.loyalty.source.dead_letter_subject",
+                "consumed by the pipeline itself",
+            ],
+        );
+        assert!(subject_matches("orders.*.eu", "orders.created.eu"));
+        assert!(!subject_matches("orders.*", "orders.created.eu"));
+        assert!(!subject_matches("orders.>", "orders"));
+        assert!(subject_matches("orders", "orders"));
+        check_error(
+            &jetstream("servers = [\"nats://127.0.0.1:4222\"]\n"),
+            &["pipelines.loyalty.source.stream", "missing"],
+        );
+        check_error(
+            &jetstream("stream = \"ORDERS\"\n"),
+            &["pipelines.loyalty.source.servers", "missing"],
+        );
+        check_error(
+            &jetstream("servers = [\"nats://h\"]\nstream = \"ORDERS\"\nqueue = \"q\"\n"),
+            &["pipelines.loyalty.source.queue", "RabbitMQ setting"],
+        );
+        check_error(
+            &jetstream("servers = [\"nats://h\"]\nstream = \"OR.DERS\"\n"),
+            &["pipelines.loyalty.source.stream", "OR.DERS"],
+        );
+        check_error(
+            &jetstream("servers = [\"nats://h\"]\nstream = \"ORDERS\"\nack_wait = \"10ms\"\n"),
+            &["pipelines.loyalty.source.ack_wait", "at least 1s"],
+        );
+        check_error(
+            &(VALID.replace("queue = \"order-completed\"\n", "")
+                + "\n[pipelines.loyalty.source]\nkind = \"rabbitmq\"\nqueue = \"q\"\nstream = \"S\"\n"),
+            &["pipelines.loyalty.source.stream", "JetStream setting"],
+        );
     }
 
     /// `[pipelines.<name>.source]` and the older form beside it describe the same source;
@@ -1570,7 +1974,10 @@ credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
         )
         .expect("amqps with a CA");
         assert_eq!(
-            config.amqp.tls.and_then(|tls| tls.ca_file),
+            config
+                .amqp
+                .and_then(|amqp| amqp.tls)
+                .and_then(|tls| tls.ca_file),
             Some(PathBuf::from("/etc/idem/ca.pem"))
         );
 

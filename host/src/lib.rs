@@ -8,7 +8,8 @@
 //! # Layout: the way a message travels
 //! - [`config`]: `pipelines.toml`, parsed and validated once.
 //! - [`source`]: where messages come from and how each is settled: the [`source::Source`]
-//!   interface and its implementation for RabbitMQ ([`source::rabbitmq`]).
+//!   interface and its implementations for RabbitMQ ([`source::rabbitmq`]) and NATS JetStream
+//!   ([`source::jetstream`]).
 //! - [`consumer`]: per pipeline, the consume loop over a source: batches, bounded workers,
 //!   settling after the transaction.
 //! - [`process`]: one message (or batch) start to finish; the only place that picks a
@@ -50,11 +51,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::config::Config;
+use crate::config::SourceConfig;
 use crate::http::HttpError;
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError};
 use crate::sandbox::{PluginError, PluginRuntime};
-use crate::source::{SourceError, rabbitmq};
+use crate::source::{SourceError, jetstream, rabbitmq};
 use crate::store::database::{self, DatabaseError};
 use crate::store::outbox::RelayWaker;
 use crate::store::{outbox, retention};
@@ -149,11 +151,27 @@ pub async fn run_with_metrics(
         );
         let mut consumers = JoinSet::new();
         for pipeline in &pipelines {
-            consumers.spawn(consumer::consume::<rabbitmq::Session>(
-                Arc::clone(pipeline),
-                config.amqp.clone(),
-                token.clone(),
-            ));
+            let pipeline = Arc::clone(pipeline);
+            match &pipeline.config.source {
+                SourceConfig::RabbitMq(_) => match config.amqp.clone() {
+                    Some(amqp) => consumers.spawn(consumer::consume::<rabbitmq::Session>(
+                        pipeline,
+                        amqp,
+                        token.clone(),
+                    )),
+                    // `Config` refuses a RabbitMQ pipeline without [amqp]; stop if one got here.
+                    None => consumers.spawn(std::future::ready(Err(SourceError::from(
+                        rabbitmq::AmqpError::NotConfigured {
+                            pipeline: pipeline.config.name.clone(),
+                        },
+                    )))),
+                },
+                SourceConfig::JetStream(_) => consumers.spawn(consumer::consume::<
+                    jetstream::Session,
+                >(
+                    pipeline, (), token.clone()
+                )),
+            };
         }
         info!(pipelines = pipelines.len(), "idem is running.");
         let mut refused = None;

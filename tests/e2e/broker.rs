@@ -221,7 +221,15 @@ async fn one_ack_owner_settles_deliveries_in_any_order_without_losing_the_channe
             .expect("a delivery within 10 s")
             .expect("consumer open")
             .expect("delivery");
-        receipts.push(idem_host::source::rabbitmq::receive(&pipeline, delivery, &acks).1);
+        receipts.push(
+            idem_host::source::rabbitmq::receive(
+                &pipeline.name,
+                idem_host::source::rabbitmq::queues(&pipeline).expect("a RabbitMQ pipeline"),
+                delivery,
+                &acks,
+            )
+            .1,
+        );
     }
     channel
         .basic_cancel(

@@ -509,7 +509,12 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
 #[tokio::test]
 async fn example_pipelines_start_against_their_schemas() {
     let env = TestEnv::new("examples").await;
-    for example in ["loyalty-natural", "customer-profile", "receipts"] {
+    for example in [
+        "loyalty-natural",
+        "customer-profile",
+        "receipts",
+        "jetstream",
+    ] {
         let path = Path::new(idem_e2e::REPO_ROOT)
             .join("examples")
             .join(example)

@@ -7,6 +7,7 @@ mod connectivity;
 mod crash;
 mod dedup;
 mod hot_swap;
+mod jetstream;
 mod languages;
 mod operations;
 mod outbox;

@@ -8,6 +8,7 @@
 //! terminations); the default short profile keeps CI fast. `scripts/faults.sh` runs it.
 
 mod database;
+mod jetstream;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;

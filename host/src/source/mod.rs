@@ -8,6 +8,7 @@
 //! transaction committed; a copy to a dead-letter or retry destination is confirmed by the
 //! broker before the original is acknowledged.
 
+pub mod jetstream;
 pub mod rabbitmq;
 
 use std::future::Future;
@@ -19,13 +20,55 @@ use tokio_util::sync::CancellationToken;
 use crate::config::PipelineConfig;
 use crate::message::InboundMessage;
 
+use self::jetstream::JetStreamError;
 use self::rabbitmq::AmqpError;
+
+/// The header a dead letter carries its reason in, on every source.
+pub const REASON_HEADER: &str = "x-idem-reason";
+/// The header carrying the class of the failure (`invalid-input`, `plugin-trap`, `sql`, …).
+pub const ERROR_KIND_HEADER: &str = "x-idem-error-kind";
+/// The header carrying when the message was dead-lettered (Unix seconds).
+pub const REJECTED_AT_HEADER: &str = "x-idem-rejected-at";
+/// Longest reason kept in a header, in bytes.
+const REASON_BYTES: usize = 4096;
+
+/// A reason as a dead letter's header carries it: one line (line breaks become spaces, which
+/// NATS headers require), at most `REASON_BYTES` bytes, cut on a character boundary.
+pub fn reason_text(reason: &str) -> String {
+    let line: String = reason
+        .chars()
+        .map(|character| {
+            if character.is_control() {
+                ' '
+            } else {
+                character
+            }
+        })
+        .collect();
+    if line.len() <= REASON_BYTES {
+        return line;
+    }
+    let mut cut = REASON_BYTES;
+    while !line.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}…", &line[..cut])
+}
+
+/// Now, in seconds since 1970 (a dead letter's `x-idem-rejected-at`).
+pub fn unix_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs())
+}
 
 /// Why a source stopped or could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
     #[error(transparent)]
     RabbitMq(#[from] AmqpError),
+    #[error(transparent)]
+    JetStream(#[from] JetStreamError),
 }
 
 impl SourceError {
@@ -34,6 +77,7 @@ impl SourceError {
     pub fn is_refused(&self) -> bool {
         match self {
             SourceError::RabbitMq(error) => error.is_refused(),
+            SourceError::JetStream(error) => error.is_refused(),
         }
     }
 }
@@ -97,4 +141,23 @@ pub trait Delivery: Send + Sync + 'static {
     /// Not at fault, not done (the host is stopping, a conflict outlasted its budget): back
     /// to the queue as it came.
     fn requeue(&self) -> impl Future<Output = bool> + Send;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reason_is_one_line_cut_on_a_character_boundary() {
+        assert_eq!(reason_text("short"), "short");
+        assert_eq!(reason_text("line one\nline two\r"), "line one line two ");
+        let long = reason_text(&"é".repeat(3_000));
+        assert!(long.ends_with('…'), "{long}");
+        assert!(long.len() <= REASON_BYTES + '…'.len_utf8());
+        assert!(
+            long.trim_end_matches('…')
+                .chars()
+                .all(|character| character == 'é')
+        );
+    }
 }

@@ -190,7 +190,7 @@ pub fn spawn_relay(
     config: OutboxConfig,
     http: BTreeMap<String, reqwest::Client>,
     pool: PgPool,
-    amqp: AmqpConfig,
+    amqp: Option<AmqpConfig>,
     metrics: Arc<Metrics>,
     waker: RelayWaker,
     shutdown: CancellationToken,
@@ -260,7 +260,8 @@ const CLEAN_EVERY: Duration = Duration::from_secs(600);
 struct Relay {
     config: OutboxConfig,
     pool: PgPool,
-    amqp_config: AmqpConfig,
+    /// `None` when no pipeline or destination uses RabbitMQ (`Config` checks).
+    amqp_config: Option<AmqpConfig>,
     metrics: Arc<Metrics>,
     /// By destination name.
     http: BTreeMap<String, reqwest::Client>,
@@ -454,7 +455,11 @@ impl Relay {
         {
             return Ok(channel.clone());
         }
-        let (connection, channel) = rabbitmq::connect_channel(&self.amqp_config, "outbox relay")
+        let amqp_config = self
+            .amqp_config
+            .as_ref()
+            .ok_or("an AMQP destination needs the [amqp] table")?;
+        let (connection, channel) = rabbitmq::connect_channel(amqp_config, "outbox relay")
             .await
             .map_err(|error| error.to_string())?;
         channel

@@ -119,8 +119,12 @@ fn verdict(config: &Config, problems: &[String], note: &str) -> ExitCode {
 /// declaring any.
 async fn check_broker(config: &Config, problems: &mut Vec<String>) {
     use rabbitmq::topology::{self, Found, Role};
-    let endpoint = idem_host::config::redact_url(&config.amqp.url);
-    let connection = match rabbitmq::connect(&config.amqp, "idem check".into()).await {
+    // `Config` refuses a RabbitMQ pipeline or destination without [amqp].
+    let Some(amqp) = &config.amqp else {
+        return;
+    };
+    let endpoint = idem_host::config::redact_url(&amqp.url);
+    let connection = match rabbitmq::connect(amqp, "idem check".into()).await {
         Ok(connection) => connection,
         Err(error) => {
             problems.push(error.to_string());
@@ -129,7 +133,9 @@ async fn check_broker(config: &Config, problems: &mut Vec<String>) {
     };
     println!("ok   RabbitMQ at {endpoint}: credentials and vhost accepted");
     for pipeline_config in &config.pipelines {
-        let queues = rabbitmq::queues(pipeline_config);
+        let Ok(queues) = rabbitmq::queues(pipeline_config) else {
+            continue;
+        };
         for role in [Role::Consumed, Role::DeadLetter] {
             let queue = role.queue(queues);
             let label = match role {
@@ -180,10 +186,22 @@ pub async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             ("queue", pipeline_config.queue()),
             ("dead letters", pipeline_config.dead_letter()),
         ] {
-            let depth = match rabbitmq::queue_depth(&config.amqp, queue).await {
-                Ok(Some(depth)) => format!("{} ready, {} consumers", depth.ready, depth.consumers),
-                Ok(None) => "not declared yet".to_string(),
-                Err(error) => format!("unknown ({error})"),
+            let depth = if rabbitmq::queues(pipeline_config).is_err() {
+                format!("a {} source", pipeline_config.source_kind())
+            } else {
+                let depth = match &config.amqp {
+                    Some(amqp) => rabbitmq::queue_depth(amqp, queue).await,
+                    None => Err(rabbitmq::AmqpError::NotConfigured {
+                        pipeline: pipeline_config.name.clone(),
+                    }),
+                };
+                match depth {
+                    Ok(Some(depth)) => {
+                        format!("{} ready, {} consumers", depth.ready, depth.consumers)
+                    }
+                    Ok(None) => "not declared yet".to_string(),
+                    Err(error) => format!("unknown ({error})"),
+                }
             };
             println!("  {label:<13} {queue:?}: {depth}");
         }

@@ -45,22 +45,28 @@ async fn list(
 ) -> anyhow::Result<ExitCode> {
     let mut rows = Vec::new();
     let mut letters = Vec::new();
-    dead_letters::pass(&config.amqp, pipeline, selection, Action::Look, |letter| {
-        if as_json {
-            letters.push(letter_json(letter, false));
-        } else {
-            rows.push([
-                letter.position.to_string(),
-                letter.age.map_or("-".into(), format_age),
-                letter.kind.clone().unwrap_or_else(|| "-".into()),
-                one_line(letter.reason.as_deref().unwrap_or("-"), 80),
-                one_line(
-                    &String::from_utf8_lossy(&letter.message.body),
-                    PREVIEW_CHARS,
-                ),
-            ]);
-        }
-    })
+    dead_letters::pass(
+        config.amqp.as_ref(),
+        pipeline,
+        selection,
+        Action::Look,
+        |letter| {
+            if as_json {
+                letters.push(letter_json(letter, false));
+            } else {
+                rows.push([
+                    letter.position.to_string(),
+                    letter.age.map_or("-".into(), format_age),
+                    letter.kind.clone().unwrap_or_else(|| "-".into()),
+                    one_line(letter.reason.as_deref().unwrap_or("-"), 80),
+                    one_line(
+                        &String::from_utf8_lossy(&letter.message.body),
+                        PREVIEW_CHARS,
+                    ),
+                ]);
+            }
+        },
+    )
     .await?;
     if as_json {
         println!("{}", serde_json::to_string_pretty(&letters)?);
@@ -88,7 +94,7 @@ async fn show(
         ..Selection::default()
     };
     dead_letters::pass(
-        &config.amqp,
+        config.amqp.as_ref(),
         pipeline,
         &everything,
         Action::Look,
@@ -150,14 +156,20 @@ async fn replay(
         Action::Replay
     };
     let verb = if dry_run { "would replay" } else { "replayed" };
-    let moved = dead_letters::pass(&config.amqp, pipeline, selection, action, |letter| {
-        println!(
-            "{verb} #{} ({}: {})",
-            letter.position,
-            letter.kind.as_deref().unwrap_or("-"),
-            one_line(letter.reason.as_deref().unwrap_or("-"), 80)
-        );
-    })
+    let moved = dead_letters::pass(
+        config.amqp.as_ref(),
+        pipeline,
+        selection,
+        action,
+        |letter| {
+            println!(
+                "{verb} #{} ({}: {})",
+                letter.position,
+                letter.kind.as_deref().unwrap_or("-"),
+                one_line(letter.reason.as_deref().unwrap_or("-"), 80)
+            );
+        },
+    )
     .await?;
     println!(
         "{verb} {moved} message(s) from {:?} to {:?}{}",

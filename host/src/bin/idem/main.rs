@@ -413,7 +413,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 ..Default::default()
             };
             let moved = idem_host::source::rabbitmq::dead_letters::pass(
-                &config.amqp,
+                config.amqp.as_ref(),
                 pipeline_config,
                 &selection,
                 idem_host::source::rabbitmq::dead_letters::Action::Replay,

@@ -81,13 +81,16 @@ pub enum Action {
 /// with each selected one (in queue order), replays it if `action` says so, and returns the
 /// rest to the queue in their order. Returns how many were selected.
 pub async fn pass(
-    amqp: &AmqpConfig,
+    amqp: Option<&AmqpConfig>,
     pipeline: &PipelineConfig,
     selection: &Selection,
     action: Action,
     mut seen: impl FnMut(&DeadLetter),
 ) -> Result<u64, AmqpError> {
-    let queues = super::queues(pipeline);
+    let queues = super::queues(pipeline)?;
+    let amqp = amqp.ok_or_else(|| AmqpError::NotConfigured {
+        pipeline: pipeline.name.clone(),
+    })?;
     let queue = &queues.dead_letter_queue;
     let (connection, channel) = connect_channel(amqp, "dlq").await?;
     let acks = super::Acks::spawn(channel.clone());

@@ -9,7 +9,7 @@ pub mod dead_letters;
 pub mod topology;
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
@@ -27,28 +27,25 @@ use topology::Role;
 
 use crate::config::{AmqpConfig, PipelineConfig, QueueType, RabbitMqSource, SourceConfig};
 use crate::message::InboundMessage;
-use crate::source::{Delivery, Source, SourceError};
+use crate::source::{self, Delivery, Source, SourceError, unix_seconds};
 
-/// `pipeline`'s queue and dead-letter queue.
-pub fn queues(pipeline: &PipelineConfig) -> &RabbitMqSource {
+/// `pipeline`'s queue and dead-letter queue; an error for a pipeline with another source.
+pub fn queues(pipeline: &PipelineConfig) -> Result<&RabbitMqSource, AmqpError> {
     match &pipeline.source {
-        SourceConfig::RabbitMq(queues) => queues,
+        SourceConfig::RabbitMq(queues) => Ok(queues),
+        _ => Err(AmqpError::NotRabbitMq {
+            pipeline: pipeline.name.clone(),
+            kind: pipeline.source_kind(),
+        }),
     }
 }
 
 /// The source kind a plugin sees in `message.source`.
-pub const KIND: &str = "rabbitmq";
+pub const KIND: &str = SourceConfig::RABBITMQ;
 
 /// The header carrying how many times a message has been tried.
 pub const ATTEMPT_HEADER: &str = "x-idem-attempt";
-/// The header carrying why a message was dead-lettered.
-pub const REASON_HEADER: &str = "x-idem-reason";
-/// The header carrying the class of the failure (`invalid-input`, `plugin-trap`, `sql`, …).
-pub const ERROR_KIND_HEADER: &str = "x-idem-error-kind";
-/// The header carrying when the message was dead-lettered (Unix seconds).
-const REJECTED_AT_HEADER: &str = "x-idem-rejected-at";
-/// Longest reason kept in a header, in bytes.
-const REASON_BYTES: usize = 4096;
+pub use crate::source::{ERROR_KIND_HEADER, REASON_HEADER, REJECTED_AT_HEADER};
 /// AMQP persistent delivery mode.
 const PERSISTENT: u8 = 2;
 
@@ -78,12 +75,24 @@ pub enum AmqpError {
     Publish { queue: String, reason: String },
     #[error("the consumer on {queue:?} ended: {reason}")]
     ConsumerLost { queue: String, reason: String },
+    #[error("pipeline {pipeline:?} consumes a RabbitMQ queue, but the config has no [amqp] table")]
+    NotConfigured { pipeline: String },
+    #[error("pipeline {pipeline:?} consumes a {kind} source, not a RabbitMQ queue")]
+    NotRabbitMq {
+        pipeline: String,
+        kind: &'static str,
+    },
 }
 
 impl AmqpError {
     /// Whether the operator must change the configuration: retrying cannot help.
     pub fn is_refused(&self) -> bool {
-        matches!(self, AmqpError::Refused { .. })
+        matches!(
+            self,
+            AmqpError::Refused { .. }
+                | AmqpError::NotRabbitMq { .. }
+                | AmqpError::NotConfigured { .. }
+        )
     }
 }
 
@@ -100,7 +109,8 @@ pub struct Session {
 /// Where a pipeline's copies (dead letters, retries, requeues) go, and the channel they go on.
 struct Route {
     channel: Channel,
-    pipeline: Arc<PipelineConfig>,
+    pipeline: String,
+    queues: RabbitMqSource,
     /// Ends a retry's wait when the host stops.
     shutdown: CancellationToken,
 }
@@ -130,22 +140,31 @@ impl Session {
         pipeline: &Arc<PipelineConfig>,
         shutdown: &CancellationToken,
     ) -> Result<Session, AmqpError> {
+        let queues = queues(pipeline)?;
         // Named so an operator (or a fault test) can tell which host and queue a
         // connection serves: `idem loyalty on order-completed (pid 4242)`.
         let name = format!(
             "idem {} on {} (pid {})",
             pipeline.name,
-            queues(pipeline).queue,
+            queues.queue,
             std::process::id()
         );
         let connection = connect(amqp, name).await?;
-        match Self::consume(&connection, pipeline).await {
+        match Self::consume(
+            &connection,
+            &pipeline.name,
+            queues,
+            pipeline.effective_prefetch(),
+        )
+        .await
+        {
             Ok((channel, consumer, consumer_tag)) => Ok(Session {
                 connection,
                 acks: Acks::spawn(channel.clone()),
                 route: Arc::new(Route {
                     channel,
-                    pipeline: Arc::clone(pipeline),
+                    pipeline: pipeline.name.clone(),
+                    queues: queues.clone(),
                     shutdown: shutdown.clone(),
                 }),
                 consumer,
@@ -162,9 +181,10 @@ impl Session {
 
     async fn consume(
         connection: &Connection,
-        pipeline: &PipelineConfig,
+        pipeline: &str,
+        queues: &RabbitMqSource,
+        prefetch: u16,
     ) -> Result<(Channel, Consumer, String), AmqpError> {
-        let queues = queues(pipeline);
         topology::ensure(connection, queues, Role::Consumed, true).await?;
         topology::ensure(connection, queues, Role::DeadLetter, true).await?;
         let failed =
@@ -178,10 +198,10 @@ impl Session {
             .await
             .map_err(failed("enable publisher confirms on"))?;
         channel
-            .basic_qos(pipeline.effective_prefetch(), BasicQosOptions::default())
+            .basic_qos(prefetch, BasicQosOptions::default())
             .await
             .map_err(failed("set prefetch on"))?;
-        let consumer_tag = format!("idem-{}-{}", pipeline.name, std::process::id());
+        let consumer_tag = format!("idem-{}-{}", pipeline, std::process::id());
         let consumer = channel
             .basic_consume(
                 ShortString::from(queues.queue.as_str()),
@@ -236,12 +256,14 @@ impl Source for Session {
 
     async fn next(&mut self) -> Result<Received, SourceError> {
         let lost = |reason: String| AmqpError::ConsumerLost {
-            queue: queues(&self.route.pipeline).queue.clone(),
+            queue: self.route.queues.queue.clone(),
             reason,
         };
         match self.consumer.next().await {
             Some(Ok(delivery)) => {
-                let (message, receipt) = receive(&self.route.pipeline, delivery, &self.acks);
+                let route = &self.route;
+                let (message, receipt) =
+                    receive(&route.pipeline, &route.queues, delivery, &self.acks);
                 Ok(Received {
                     message,
                     receipt,
@@ -283,7 +305,13 @@ impl Delivery for Received {
         let route = &self.route;
         let published = self
             .receipt
-            .dead_letter(&route.channel, &route.pipeline, error_kind, reason)
+            .dead_letter(
+                &route.channel,
+                &route.pipeline,
+                &route.queues,
+                error_kind,
+                reason,
+            )
             .await;
         self.moved_or_returned(published).await
     }
@@ -296,7 +324,7 @@ impl Delivery for Received {
         }
         let published = self
             .receipt
-            .retry(&route.channel, &queues(&route.pipeline).queue, attempt)
+            .retry(&route.channel, &route.queues.queue, attempt)
             .await;
         self.moved_or_returned(published).await
     }
@@ -305,7 +333,7 @@ impl Delivery for Received {
         let route = &self.route;
         let published = self
             .receipt
-            .requeue(&route.channel, &queues(&route.pipeline).queue)
+            .requeue(&route.channel, &route.queues.queue)
             .await;
         self.moved_or_returned(published).await
     }
@@ -364,7 +392,8 @@ pub async fn queue_depth(amqp: &AmqpConfig, queue: &str) -> Result<Option<QueueD
 /// Splits a delivery from `pipeline`'s queue into what the plugin sees and what the host
 /// keeps to settle it through `acks`, its channel's ack owner. Call in delivery order.
 pub fn receive(
-    pipeline: &PipelineConfig,
+    pipeline: &str,
+    queues: &RabbitMqSource,
     delivery: lapin::message::Delivery,
     acks: &Acks,
 ) -> (InboundMessage, Receipt) {
@@ -372,9 +401,8 @@ pub fn receive(
         .and_then(|attempt| u32::try_from(attempt).ok())
         .unwrap_or(1)
         .max(1);
-    let queues = queues(pipeline);
     let counted = queues.queue_type == QueueType::Quorum;
-    let message = inbound_message(&pipeline.name, &queues.queue, counted, &delivery);
+    let message = inbound_message(pipeline, &queues.queue, counted, &delivery);
     (message, Receipt::of(delivery, acks, attempt))
 }
 
@@ -470,14 +498,15 @@ impl Receipt {
     pub async fn dead_letter(
         &self,
         channel: &Channel,
-        pipeline: &PipelineConfig,
+        pipeline: &str,
+        queues: &RabbitMqSource,
         error_kind: &str,
         reason: &str,
     ) -> Result<bool, AmqpError> {
         let mut headers = self.properties.headers().clone().unwrap_or_default();
         headers.insert(
             ShortString::from(REASON_HEADER),
-            AMQPValue::LongString(LongString::from(truncate(reason, REASON_BYTES))),
+            AMQPValue::LongString(LongString::from(source::reason_text(reason))),
         );
         headers.insert(
             ShortString::from(ERROR_KIND_HEADER),
@@ -485,11 +514,11 @@ impl Receipt {
         );
         headers.insert(
             ShortString::from("x-idem-pipeline"),
-            AMQPValue::LongString(LongString::from(pipeline.name.as_str())),
+            AMQPValue::LongString(LongString::from(pipeline)),
         );
         headers.insert(
             ShortString::from("x-idem-queue"),
-            AMQPValue::LongString(LongString::from(queues(pipeline).queue.as_str())),
+            AMQPValue::LongString(LongString::from(queues.queue.as_str())),
         );
         headers.insert(
             ShortString::from(REJECTED_AT_HEADER),
@@ -497,7 +526,7 @@ impl Receipt {
         );
         self.publish_copy(
             channel,
-            &queues(pipeline).dead_letter_queue,
+            &queues.dead_letter_queue,
             headers,
             Copy::DeadLetter,
         )
@@ -672,33 +701,5 @@ fn header_text(value: &AMQPValue) -> String {
         AMQPValue::Timestamp(seconds) => seconds.to_string(),
         AMQPValue::Void => String::new(),
         other => format!("{other:?}"),
-    }
-}
-
-fn truncate(text: &str, max_bytes: usize) -> String {
-    if text.len() <= max_bytes {
-        return text.to_string();
-    }
-    let mut cut = max_bytes;
-    while !text.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}…", &text[..cut])
-}
-
-fn unix_seconds() -> u64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |elapsed| elapsed.as_secs())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn truncation_keeps_char_boundaries() {
-        assert_eq!(truncate("short", 10), "short");
-        assert_eq!(truncate("ééé", 3), "é…");
     }
 }

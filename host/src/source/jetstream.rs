@@ -1,0 +1,570 @@
+//! NATS JetStream through async-nats: connect, make sure the stream, the durable pull consumer
+//! and the dead-letter stream are there as configured, consume, settle.
+//!
+//! Architecture invariant: an ack is sent only when `process` says so, after commit, and is
+//! confirmed by the server (a double ack); a rejected message is stored on the dead-letter
+//! subject (the server confirmed it) before it is terminated. The server's confirmation of an
+//! ack says only that it got it, not that this delivery was still current: a delivery that
+//! outlived `ack_wait` may have been delivered again, and the claim makes that copy a
+//! duplicate.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, pull};
+use async_nats::jetstream::context::GetStreamErrorKind;
+use async_nats::jetstream::{self, AckKind, ErrorCode, stream};
+use async_nats::{ConnectErrorKind, ConnectOptions, HeaderMap};
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::config::{JetStreamSource, PipelineConfig, SourceConfig};
+use crate::message::InboundMessage;
+use crate::source::{
+    self, Delivery, ERROR_KIND_HEADER, REASON_HEADER, REJECTED_AT_HEADER, Source, SourceError,
+    unix_seconds,
+};
+
+/// The source kind a plugin sees in `message.source`.
+pub const KIND: &str = SourceConfig::JETSTREAM;
+
+/// How long the server may take to answer a request (an ack, a publish, consumer info).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum JetStreamError {
+    #[error("cannot reach NATS at {servers}: {reason}")]
+    Connect { servers: String, reason: String },
+    /// A refusal no retry can fix: the operator must change `setting`.
+    #[error("NATS refused {subject}: {reason}; check {setting}")]
+    Refused {
+        subject: String,
+        reason: String,
+        setting: String,
+    },
+    #[error("JetStream could not {action} {name:?}: {reason}")]
+    Request {
+        action: &'static str,
+        name: String,
+        reason: String,
+    },
+    #[error("the consumer {consumer:?} on stream {stream:?} ended: {reason}")]
+    ConsumerLost {
+        stream: String,
+        consumer: String,
+        reason: String,
+    },
+}
+
+impl JetStreamError {
+    /// Whether the operator must change the configuration: retrying cannot help.
+    pub fn is_refused(&self) -> bool {
+        matches!(self, JetStreamError::Refused { .. })
+    }
+}
+
+/// `pipeline`'s stream settings; `None` for a pipeline with another source.
+pub fn settings(pipeline: &PipelineConfig) -> Option<&JetStreamSource> {
+    match &pipeline.source {
+        SourceConfig::JetStream(source) => Some(source),
+        _ => None,
+    }
+}
+
+/// Connects to `source`'s servers, with its credentials, named for `purpose`.
+pub async fn connect(
+    source: &JetStreamSource,
+    purpose: String,
+) -> Result<async_nats::Client, JetStreamError> {
+    let mut options = ConnectOptions::new()
+        .name(purpose)
+        .connection_timeout(REQUEST_TIMEOUT)
+        .request_timeout(Some(REQUEST_TIMEOUT));
+    if let (Some(user), Some(password)) = (&source.user, &source.password) {
+        options = options.user_and_password(user.clone(), password.clone());
+    }
+    if let Some(token) = &source.token {
+        options = options.token(token.clone());
+    }
+    let servers = source.servers.join(", ");
+    options
+        .connect(source.servers.clone())
+        .await
+        .map_err(|error| match error.kind() {
+            ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Authentication => {
+                JetStreamError::Refused {
+                    subject: format!("the connection to {servers}"),
+                    reason: error.to_string(),
+                    setting: format!("{}.user, password or token", source.table),
+                }
+            }
+            ConnectErrorKind::ServerParse | ConnectErrorKind::Tls => JetStreamError::Refused {
+                subject: format!("the connection to {servers}"),
+                reason: error.to_string(),
+                setting: format!(
+                    "{}.servers: nats://host:port URLs of servers this host can speak to",
+                    source.table
+                ),
+            },
+            _ => JetStreamError::Connect {
+                servers: servers.clone(),
+                reason: error.to_string(),
+            },
+        })
+}
+
+/// One pipeline's consumer on its stream.
+pub struct Session {
+    client: async_nats::Client,
+    messages: pull::Stream,
+    route: Arc<Route>,
+}
+
+/// What settling a delivery needs.
+struct Route {
+    context: jetstream::Context,
+    pipeline: String,
+    source: JetStreamSource,
+}
+
+/// A delivery from the pipeline's stream.
+pub struct Received {
+    message: InboundMessage,
+    original: jetstream::Message,
+    stream_sequence: u64,
+    route: Arc<Route>,
+    /// Sends in-progress acks while the delivery is held; stops when it is dropped.
+    _progress: Option<Ticker>,
+}
+
+/// A task that stops when this is dropped.
+struct Ticker(tokio::task::JoinHandle<()>);
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Session {
+    /// Connects, makes sure the stream, the consumer and the dead-letter stream are there as
+    /// configured, and starts pulling.
+    pub async fn open(pipeline: &PipelineConfig, prefetch: u16) -> Result<Session, JetStreamError> {
+        let Some(source) = settings(pipeline) else {
+            return Err(JetStreamError::Refused {
+                subject: format!("pipeline {:?}", pipeline.name),
+                reason: format!("it consumes a {} source", pipeline.source_kind()),
+                setting: format!("pipelines.{}.source.kind", pipeline.name),
+            });
+        };
+        let client = connect(
+            source,
+            format!(
+                "idem {} on {} (pid {})",
+                pipeline.name,
+                source.stream,
+                std::process::id()
+            ),
+        )
+        .await?;
+        let context = jetstream::new(client.clone());
+        ensure_stream(
+            &context,
+            source,
+            &source.stream,
+            source
+                .subject
+                .clone()
+                .unwrap_or_else(|| format!("{}.>", source.stream)),
+            "stream",
+        )
+        .await?;
+        ensure_stream(
+            &context,
+            source,
+            &source.dead_letter_stream,
+            source.dead_letter_subject.clone(),
+            "dead_letter_stream",
+        )
+        .await?;
+        let consumer = ensure_consumer(&context, source).await?;
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch(usize::from(prefetch).max(1))
+            .heartbeat(Duration::from_secs(5))
+            .expires(Duration::from_secs(30))
+            .messages()
+            .await
+            .map_err(|error| request_error("pull from", &source.consumer, error))?;
+        Ok(Session {
+            client,
+            messages,
+            route: Arc::new(Route {
+                context,
+                pipeline: pipeline.name.clone(),
+                source: source.clone(),
+            }),
+        })
+    }
+
+    fn lost(&self, reason: String) -> SourceError {
+        JetStreamError::ConsumerLost {
+            stream: self.route.source.stream.clone(),
+            consumer: self.route.source.consumer.clone(),
+            reason,
+        }
+        .into()
+    }
+}
+
+/// Makes sure stream `name` exists: created (capturing `subject`) when missing and the source
+/// may declare; refused when missing and it may not.
+async fn ensure_stream(
+    context: &jetstream::Context,
+    source: &JetStreamSource,
+    name: &str,
+    subject: String,
+    key: &str,
+) -> Result<(), JetStreamError> {
+    match context.get_stream(name).await {
+        Ok(_) => Ok(()),
+        Err(error)
+            if matches!(error.kind(), GetStreamErrorKind::JetStream(ref inner)
+                if inner.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
+        {
+            if !source.declare {
+                return Err(JetStreamError::Refused {
+                    subject: format!("{}.{key} {name:?}", source.table),
+                    reason: "it does not exist".into(),
+                    setting: format!(
+                        "{}.{key} and declare = false: with declare = false the stream must exist before idem starts",
+                        source.table
+                    ),
+                });
+            }
+            context
+                .create_stream(stream::Config {
+                    name: name.to_string(),
+                    subjects: vec![subject],
+                    ..stream::Config::default()
+                })
+                .await
+                .map(drop)
+                .map_err(|error| JetStreamError::Refused {
+                    subject: format!("{}.{key} {name:?}", source.table),
+                    reason: error.to_string(),
+                    setting: format!(
+                        "{}.{key}: idem creates it when missing; its subjects must not overlap another stream's",
+                        source.table
+                    ),
+                })
+        }
+        Err(error) => Err(request_error("look up stream", name, error)),
+    }
+}
+
+/// The durable pull consumer: created as configured when missing (with `declare`), and
+/// refused when it exists with other settings than the source's.
+async fn ensure_consumer(
+    context: &jetstream::Context,
+    source: &JetStreamSource,
+) -> Result<jetstream::consumer::Consumer<pull::Config>, JetStreamError> {
+    let wanted = pull::Config {
+        durable_name: Some(source.consumer.clone()),
+        filter_subject: source.subject.clone().unwrap_or_default(),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: source.ack_wait,
+        max_deliver: source.max_deliver.unwrap_or(-1),
+        ..pull::Config::default()
+    };
+    let stream = context
+        .get_stream(&source.stream)
+        .await
+        .map_err(|error| request_error("look up stream", &source.stream, error))?;
+    let found = stream.get_consumer::<pull::Config>(&source.consumer).await;
+    let consumer = match found {
+        Ok(consumer) => consumer,
+        Err(_) if source.declare => {
+            stream
+                .create_consumer(wanted.clone())
+                .await
+                .map_err(|error| JetStreamError::Refused {
+                    subject: format!("{}.consumer {:?}", source.table, source.consumer),
+                    reason: error.to_string(),
+                    setting: format!(
+                        "{}.consumer, subject, ack_wait and max_deliver",
+                        source.table
+                    ),
+                })?
+        }
+        Err(error) => {
+            return Err(JetStreamError::Refused {
+                subject: format!("{}.consumer {:?}", source.table, source.consumer),
+                reason: error.to_string(),
+                setting: format!(
+                    "{}.consumer and declare = false: with declare = false the consumer must exist before idem starts",
+                    source.table
+                ),
+            });
+        }
+    };
+    let have = &consumer.cached_info().config;
+    let mut differences = Vec::new();
+    if have.filter_subject != wanted.filter_subject {
+        differences.push(format!(
+            "subject {:?} (configured {:?})",
+            have.filter_subject, wanted.filter_subject
+        ));
+    }
+    if have.ack_policy != AckPolicy::Explicit {
+        differences.push(format!(
+            "ack policy {:?} (idem needs explicit acks)",
+            have.ack_policy
+        ));
+    }
+    if source.declare && have.ack_wait != wanted.ack_wait {
+        differences.push(format!(
+            "ack_wait {:?} (configured {:?})",
+            have.ack_wait, wanted.ack_wait
+        ));
+    }
+    if source.declare && have.max_deliver != wanted.max_deliver {
+        differences.push(format!(
+            "max_deliver {} (configured {})",
+            have.max_deliver, wanted.max_deliver
+        ));
+    }
+    if !differences.is_empty() {
+        return Err(JetStreamError::Refused {
+            subject: format!("{}.consumer {:?}", source.table, source.consumer),
+            reason: format!("it exists with {}", differences.join(", ")),
+            setting: format!(
+                "{table}.subject, ack_wait and max_deliver: they must match the existing consumer, or name another consumer (or set declare = false to use it as it is)",
+                table = source.table
+            ),
+        });
+    }
+    Ok(consumer)
+}
+
+fn request_error(
+    action: &'static str,
+    name: &str,
+    error: impl std::fmt::Display,
+) -> JetStreamError {
+    JetStreamError::Request {
+        action,
+        name: name.to_string(),
+        reason: error.to_string(),
+    }
+}
+
+impl Source for Session {
+    type Settings = ();
+    type Delivery = Received;
+    const BROKER: &'static str = "NATS JetStream";
+
+    async fn open(
+        _settings: &(),
+        pipeline: &Arc<PipelineConfig>,
+        _shutdown: &CancellationToken,
+    ) -> Result<Session, SourceError> {
+        Ok(Session::open(pipeline, pipeline.effective_prefetch()).await?)
+    }
+
+    async fn next(&mut self) -> Result<Received, SourceError> {
+        loop {
+            match self.messages.next().await {
+                Some(Ok(original)) => return self.receive(original),
+                Some(Err(error)) => match error.kind() {
+                    pull::MessagesErrorKind::ConsumerDeleted
+                    | pull::MessagesErrorKind::PushBasedConsumer
+                    | pull::MessagesErrorKind::RequestLimitExceeded => {
+                        return Err(self.lost(error.to_string()));
+                    }
+                    // Missed heartbeats and failed pulls while the server is away: the stream
+                    // pulls again once the client has reconnected.
+                    _ => warn!(
+                        pipeline = %self.route.pipeline,
+                        %error,
+                        "JetStream consumer interrupted; waiting for the server."
+                    ),
+                },
+                None => return Err(self.lost("the message stream ended".into())),
+            }
+        }
+    }
+
+    async fn stop(&mut self) {
+        // Nothing more is pulled once the stream is dropped at close; messages already
+        // pulled and not settled are delivered again after `ack_wait`.
+    }
+
+    async fn close(self) {
+        drop(self.messages);
+        if let Err(error) = self.client.drain().await {
+            tracing::debug!(%error, "Draining the NATS connection failed.");
+        }
+    }
+}
+
+impl Session {
+    fn receive(&self, original: jetstream::Message) -> Result<Received, SourceError> {
+        let info = original
+            .info()
+            .map_err(|error| self.lost(format!("a message without delivery info: {error}")))?;
+        let delivered = u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX);
+        let stream_sequence = info.stream_sequence;
+        let attributes = vec![
+            ("stream-sequence".to_string(), stream_sequence.to_string()),
+            (
+                "consumer-sequence".to_string(),
+                info.consumer_sequence.to_string(),
+            ),
+            ("consumer".to_string(), info.consumer.to_string()),
+        ];
+        let headers = original
+            .headers
+            .as_ref()
+            .map(header_pairs)
+            .unwrap_or_default();
+        let message_id = original
+            .headers
+            .as_ref()
+            .and_then(|headers| headers.get(async_nats::header::NATS_MESSAGE_ID))
+            .map(|value| value.as_str().to_string());
+        let message = InboundMessage {
+            pipeline: self.route.pipeline.clone(),
+            source: KIND.to_string(),
+            queue: self.route.source.stream.clone(),
+            subject: original.subject.to_string(),
+            body: original.payload.to_vec(),
+            headers,
+            message_id,
+            redelivered: delivered > 1,
+            delivery_count: Some(delivered),
+            attributes,
+        };
+        let progress = self.route.source.in_progress.then(|| {
+            let acker = original.clone();
+            let every = self.route.source.ack_wait / 2;
+            Ticker(tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    if acker.ack_with(AckKind::Progress).await.is_err() {
+                        return;
+                    }
+                }
+            }))
+        });
+        Ok(Received {
+            message,
+            original,
+            stream_sequence,
+            route: Arc::clone(&self.route),
+            _progress: progress,
+        })
+    }
+}
+
+/// Header pairs in the order of their names; a name with several values gives several pairs.
+fn header_pairs(headers: &HeaderMap) -> Vec<(String, String)> {
+    let mut pairs: Vec<(String, String)> = headers
+        .iter()
+        .flat_map(|(name, values)| {
+            values
+                .iter()
+                .map(move |value| (name.to_string(), value.as_str().to_string()))
+        })
+        .collect();
+    pairs.sort();
+    pairs
+}
+
+impl Received {
+    /// Sends `kind` and waits for the server to confirm it got it.
+    async fn settle(&self, kind: AckKind) -> bool {
+        match self.original.double_ack_with(kind).await {
+            Ok(()) => true,
+            Err(error) => {
+                warn!(pipeline = %self.route.pipeline, %error, "JetStream did not confirm the settlement; the message will be delivered again.");
+                false
+            }
+        }
+    }
+}
+
+impl Delivery for Received {
+    fn message(&self) -> &InboundMessage {
+        &self.message
+    }
+
+    fn attempt(&self) -> u32 {
+        self.message.delivery_count.unwrap_or(1)
+    }
+
+    fn describe(&self) -> String {
+        format!("stream sequence {}", self.stream_sequence)
+    }
+
+    async fn ack(&self) -> bool {
+        self.settle(AckKind::Ack).await
+    }
+
+    async fn dead_letter(&self, error_kind: &'static str, reason: &str) -> bool {
+        let route = &self.route;
+        let mut headers = self.original.headers.clone().unwrap_or_default();
+        headers.insert(REASON_HEADER, source::reason_text(reason).as_str());
+        headers.insert(ERROR_KIND_HEADER, error_kind);
+        headers.insert("x-idem-pipeline", route.pipeline.as_str());
+        headers.insert("x-idem-queue", route.source.stream.as_str());
+        headers.insert("x-idem-subject", self.message.subject.as_str());
+        headers.insert(
+            "x-idem-stream-sequence",
+            self.stream_sequence.to_string().as_str(),
+        );
+        headers.insert(REJECTED_AT_HEADER, unix_seconds().to_string().as_str());
+        // The server drops a second copy with the same id, so a dead letter published again
+        // after a lost confirmation is stored once; the producer's id stays beside it.
+        if let Some(id) = &self.message.message_id {
+            headers.insert("x-idem-message-id", id.as_str());
+        }
+        headers.insert(
+            async_nats::header::NATS_MESSAGE_ID,
+            format!(
+                "idem-dead-letter:{}:{}",
+                route.source.stream, self.stream_sequence
+            )
+            .as_str(),
+        );
+        let stored = async {
+            route
+                .context
+                .publish_with_headers(
+                    route.source.dead_letter_subject.clone(),
+                    headers,
+                    self.original.payload.clone(),
+                )
+                .await?
+                .await
+        };
+        match stored.await {
+            Ok(_) => self.settle(AckKind::Term).await,
+            Err(error) => {
+                warn!(pipeline = %route.pipeline, %error, subject = %route.source.dead_letter_subject, "Cannot store the dead letter; the message goes back to its stream.");
+                self.settle(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await
+            }
+        }
+    }
+
+    async fn retry(&self, _attempt: u32, delay: Duration) -> bool {
+        // The server counts deliveries: the next one is try `attempt`.
+        self.settle(AckKind::Nak(Some(delay))).await
+    }
+
+    async fn requeue(&self) -> bool {
+        self.settle(AckKind::Nak(None)).await
+    }
+}

@@ -1,0 +1,417 @@
+//! The loyalty consumer on a NATS JetStream stream (the machine's nats-server, JetStream on):
+//! every order credited once through duplicates, rejected messages kept on the dead-letter
+//! subject with their reasons, and the durable consumer left with nothing pending.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem_e2e::jetstream::TestStream;
+use idem_e2e::{TestEnv, order, pipeline_table, plugin_path, spawn_idem, wait_for};
+use idem_host::config::Config;
+
+/// The config text of a host serving `plugin` as pipeline `loyalty` from `stream`.
+fn config_text(
+    env: &TestEnv,
+    stream: &TestStream,
+    plugin: &str,
+    source_extra: &str,
+    extra: &str,
+) -> String {
+    format!(
+        "{}{}",
+        env.config_header(),
+        stream.pipeline_table("loyalty", &plugin_path(plugin), source_extra, extra)
+    )
+}
+
+fn parse(text: &str) -> Config {
+    Config::from_toml(Path::new("/tmp/idem-jetstream-test.toml"), text)
+        .unwrap_or_else(|error| panic!("{error}\n{text}"))
+}
+
+/// The config of a host serving the loyalty plugin from `stream`.
+fn config(env: &TestEnv, stream: &TestStream, source_extra: &str, extra: &str) -> Config {
+    parse(&config_text(env, stream, "loyalty", source_extra, extra))
+}
+
+/// Waits until the consumer has delivered and had acknowledged every message.
+async fn wait_drained(stream: &TestStream) {
+    wait_drained_by(stream, "idem-loyalty").await;
+}
+
+async fn wait_drained_by(stream: &TestStream, consumer: &str) {
+    wait_for(
+        "the consumer to hold nothing",
+        Duration::from_secs(90),
+        || async { stream.consumer_counts(consumer).await == Some((0, 0)) },
+    )
+    .await;
+}
+
+/// 2,000 orders and 400 duplicates of them (published by two publishers at once, each copy
+/// with its own message id so the stream keeps it): every order is credited once, and the
+/// consumer ends with nothing pending and nothing unacknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_with_duplicates_credits_every_order_once() {
+    let env = TestEnv::new("js_loyalty").await;
+    let stream = Arc::new(TestStream::new(&env.queue).await);
+    let host = env.start_host(config(&env, &stream, "", ""));
+    const ORDERS: i64 = 2_000;
+    let publishers: Vec<_> = (0..2)
+        .map(|publisher| {
+            let stream = Arc::clone(&stream);
+            tokio::spawn(async move {
+                for order_id in (publisher..ORDERS).step_by(2) {
+                    let body = order(order_id, order_id % 97, 1_000 + order_id);
+                    stream
+                        .publish(&body, Some(&format!("order-{order_id}")))
+                        .await;
+                    if order_id % 5 == 0 {
+                        // The same event again, as a producer retrying would send it: the
+                        // stream keeps it (another message id), idem must not credit it again.
+                        stream
+                            .publish(&body, Some(&format!("order-{order_id}-again")))
+                            .await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for publisher in publishers {
+        publisher.await.expect("publisher");
+    }
+    wait_for("every order credited", Duration::from_secs(120), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == ORDERS
+    })
+    .await;
+    wait_drained(&stream).await;
+    host.stop().await.expect("host stops cleanly");
+    env.assert_loyalty_consistent().await;
+    let duplicates = env
+        .count("SELECT count(*) FROM processed_messages WHERE consumer = 'loyalty'")
+        .await;
+    assert_eq!(duplicates, ORDERS, "one claim per order");
+    assert!(stream.dead_letters().await.is_empty(), "nothing rejected");
+    Arc::into_inner(stream)
+        .expect("publishers done")
+        .cleanup()
+        .await;
+    env.cleanup().await;
+}
+
+/// Malformed messages land on the dead-letter subject, each with its reason and kind, and are
+/// terminated on the stream; the good orders beside them are credited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejected_messages_land_on_the_dead_letter_subject_with_their_reasons() {
+    let env = TestEnv::new("js_poison").await;
+    let stream = TestStream::new(&env.queue).await;
+    let host = env.start_host(config(&env, &stream, "", ""));
+    stream.publish(&order(1, 7, 5_000), None).await;
+    stream.publish(b"not json", Some("bad-1")).await;
+    stream
+        .publish(br#"{"type":"OrderCompleted","order_id":2}"#, Some("bad-2"))
+        .await;
+    stream
+        .publish(
+            br#"{"type":"OrderCompleted","order_id":3,"customer_id":7,"total_cents":-5}"#,
+            Some("bad-3"),
+        )
+        .await;
+    stream.publish(&order(4, 7, 1_000), None).await;
+    wait_for("three dead letters", Duration::from_secs(60), || async {
+        stream.dead_letters().await.len() == 3
+    })
+    .await;
+    wait_drained(&stream).await;
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, 2);
+    let letters = stream.dead_letters().await;
+    let header = |headers: &[(String, String)], name: &str| {
+        headers
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.clone())
+            .unwrap_or_else(|| panic!("{name} missing from {headers:?}"))
+    };
+    let mut reasons: Vec<(String, String, String)> = letters
+        .iter()
+        .map(|(_, headers)| {
+            (
+                header(headers, "Nats-Msg-Id"),
+                header(headers, "x-idem-error-kind"),
+                header(headers, "x-idem-reason"),
+            )
+        })
+        .collect();
+    reasons.sort();
+    let ids: Vec<&str> = reasons.iter().map(|(id, _, _)| id.as_str()).collect();
+    assert!(
+        ids.iter().all(|id| id.starts_with("idem-dead-letter:")),
+        "{ids:?}"
+    );
+    assert!(
+        reasons.iter().all(|(_, kind, _)| kind == "invalid-input"),
+        "{reasons:?}"
+    );
+    let all: String = reasons
+        .iter()
+        .map(|(_, _, reason)| reason.as_str())
+        .collect::<Vec<_>>()
+        .join(" | ");
+    for expected in ["JSON", "customer_id", "negative"] {
+        assert!(all.contains(expected), "{expected} not in {all}");
+    }
+    stream.cleanup().await;
+    env.cleanup().await;
+}
+
+/// A plugin failure marked retryable comes back after the retry delay (a negative ack with a
+/// delay: the server counts the deliveries) and is dead-lettered after `max_attempts`; a trap
+/// is dead-lettered at once; orders beside them are credited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retryable_failures_come_back_then_are_dead_lettered_after_max_attempts() {
+    let env = TestEnv::new("js_retry").await;
+    let stream = TestStream::new(&env.queue).await;
+    let host = env.start_host(parse(&config_text(
+        &env,
+        &stream,
+        "chaos",
+        "",
+        "max_attempts = 3",
+    )));
+    let echo = |order_id: i64| {
+        serde_json::json!({
+            "key": format!("order-completed:{order_id}"),
+            "effects": [
+                {"statement": "credit_balance", "params": [1, 10]},
+                {"statement": "record_ledger", "params": [1, order_id, 10]},
+            ]
+        })
+        .to_string()
+        .into_bytes()
+    };
+    let started = Instant::now();
+    stream.publish(&echo(1), None).await;
+    stream
+        .publish(br#"{"action": "retry"}"#, Some("retry-1"))
+        .await;
+    stream
+        .publish(br#"{"action": "trap"}"#, Some("trap-1"))
+        .await;
+    stream.publish(&echo(2), None).await;
+    wait_for("two dead letters", Duration::from_secs(60), || async {
+        stream.dead_letters().await.len() == 2
+    })
+    .await;
+    // Tries 2 and 3 came after 200 ms and 400 ms: the server held the message that long.
+    assert!(
+        started.elapsed() >= Duration::from_millis(600),
+        "retried sooner than the delays allow: {:?}",
+        started.elapsed()
+    );
+    wait_drained(&stream).await;
+    host.stop().await.expect("host stops cleanly");
+    let letters = stream.dead_letters().await;
+    let letter = |id: &str| {
+        letters
+            .iter()
+            .find(|(_, headers)| {
+                headers
+                    .iter()
+                    .any(|(name, value)| name == "x-idem-message-id" && value == id)
+            })
+            .map(|(_, headers)| headers.clone())
+            .unwrap_or_else(|| panic!("no dead letter for {id}: {letters:?}"))
+    };
+    let value = |headers: &[(String, String)], name: &str| {
+        headers
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.clone())
+            .unwrap_or_default()
+    };
+    let retried = letter("retry-1");
+    assert_eq!(value(&retried, "x-idem-error-kind"), "retries-exhausted");
+    assert!(
+        value(&retried, "x-idem-reason").contains("gave up after 3 attempts"),
+        "{retried:?}"
+    );
+    assert_eq!(value(&letter("trap-1"), "x-idem-error-kind"), "plugin-trap");
+    assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, 2);
+    stream.cleanup().await;
+    env.cleanup().await;
+}
+
+/// One host serves a RabbitMQ pipeline and a JetStream pipeline side by side, each crediting
+/// its own orders once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_host_serves_a_queue_and_a_stream_side_by_side() {
+    let env = TestEnv::new("js_side").await;
+    let stream = TestStream::new(&env.queue).await;
+    let text = format!(
+        "{}{}{}",
+        env.config_header(),
+        pipeline_table(
+            "loyalty",
+            &env.queue,
+            &env.dead_letter_queue,
+            &plugin_path("loyalty"),
+            ""
+        ),
+        stream.pipeline_table("stream-loyalty", &plugin_path("loyalty"), "", "")
+    );
+    let host = env.start_host(parse(&text));
+    for order_id in 0..200 {
+        env.publish(&order(order_id, order_id % 7, 1_000)).await;
+        stream
+            .publish(&order(10_000 + order_id, order_id % 7, 1_000), None)
+            .await;
+    }
+    wait_for("every order credited", Duration::from_secs(90), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 400
+    })
+    .await;
+    wait_drained_by(&stream, "idem-stream-loyalty").await;
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(
+        env.count("SELECT count(DISTINCT order_id) FROM point_ledger")
+            .await,
+        400
+    );
+    for consumer in ["loyalty", "stream-loyalty"] {
+        assert_eq!(
+            env.count(&format!(
+                "SELECT count(*) FROM processed_messages WHERE consumer = '{consumer}'"
+            ))
+            .await,
+            200,
+            "claims of {consumer}"
+        );
+    }
+    stream.cleanup().await;
+    env.cleanup().await;
+}
+
+/// Crash windows: the real binary aborts before the commit, or after it and before the ack,
+/// on the first of 20 orders; a restarted host credits every order once (the message comes
+/// back after `ack_wait`, and after the commit the claim makes it a duplicate).
+async fn crash_then_restart(name: &str, failpoint: &str) {
+    let env = TestEnv::new(name).await;
+    let stream = TestStream::new(&env.queue).await;
+    let text = config_text(&env, &stream, "loyalty", ", ack_wait = \"2s\"", "");
+    let path = std::env::temp_dir().join(format!("{}.toml", env.database));
+    std::fs::write(&path, &text).expect("write config");
+    let mut child = spawn_idem(&path, &[("IDEM_FAILPOINT", failpoint)]);
+    for order_id in 0..20 {
+        stream.publish(&order(order_id, 3, 100), None).await;
+    }
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait on idem") {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "idem did not reach {failpoint}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(!status.success(), "idem should have aborted at {failpoint}");
+    let host = env.start_host(parse(&text));
+    wait_for("every order credited", Duration::from_secs(90), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 20
+    })
+    .await;
+    wait_drained(&stream).await;
+    host.stop().await.expect("host stops cleanly");
+    env.assert_loyalty_consistent().await;
+    assert_eq!(
+        env.count("SELECT coalesce(sum(points), 0)::int8 FROM balances")
+            .await,
+        20,
+        "each order's point once"
+    );
+    assert!(stream.dead_letters().await.is_empty());
+    let _ = std::fs::remove_file(path);
+    stream.cleanup().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_commit_loses_nothing() {
+    crash_then_restart("js_crash_before", "before-commit").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_commit_before_the_ack_doubles_nothing() {
+    crash_then_restart("js_crash_after", "after-commit").await;
+}
+
+/// A transaction slower than `ack_wait` (a trigger sleeping 3 s, `ack_wait` 1 s), with two
+/// hosts on the consumer. Without in-progress acks the server delivers the message again to
+/// the other host while the first still holds it, and the claim makes that copy a duplicate:
+/// applied once. With in-progress acks the server waits: no second delivery at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_slower_than_ack_wait_is_applied_once() {
+    for in_progress in [false, true] {
+        let env = TestEnv::new(&format!("js_slow_{in_progress}")).await;
+        sqlx::raw_sql(
+            "CREATE FUNCTION slow_credit() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$; \
+             CREATE TRIGGER slow_credit BEFORE INSERT ON point_ledger \
+               FOR EACH ROW EXECUTE FUNCTION slow_credit();",
+        )
+        .execute(&env.pool)
+        .await
+        .expect("slow trigger");
+        let stream = TestStream::new(&env.queue).await;
+        let text = config_text(
+            &env,
+            &stream,
+            "loyalty",
+            &format!(", ack_wait = \"1s\", in_progress = {in_progress}"),
+            "",
+        );
+        let metrics: Vec<Arc<idem_host::metrics::Metrics>> = (0..2)
+            .map(|_| Arc::new(idem_host::metrics::Metrics::new()))
+            .collect();
+        let hosts: Vec<_> = metrics
+            .iter()
+            .map(|metrics| env.start_host_with_metrics(parse(&text), Arc::clone(metrics)))
+            .collect();
+        stream.publish(&order(7, 1, 700), None).await;
+        wait_for("the order credited", Duration::from_secs(60), || async {
+            env.count("SELECT count(*) FROM point_ledger").await == 1
+        })
+        .await;
+        wait_drained(&stream).await;
+        let settled = |outcome| {
+            metrics
+                .iter()
+                .map(|metrics| metrics.messages("loyalty", outcome))
+                .sum::<u64>()
+        };
+        // Settling is counted after the ack: wait for every delivery's count.
+        wait_for(
+            "the deliveries settled",
+            Duration::from_secs(30),
+            || async { settled("applied") == 1 && (in_progress || settled("duplicate") >= 1) },
+        )
+        .await;
+        for host in hosts {
+            host.stop().await.expect("host stops cleanly");
+        }
+        if in_progress {
+            assert_eq!(
+                settled("duplicate"),
+                0,
+                "delivered again despite in-progress acks"
+            );
+        }
+        assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, 1);
+        env.assert_loyalty_consistent().await;
+        stream.cleanup().await;
+        env.cleanup().await;
+    }
+}

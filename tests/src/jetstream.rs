@@ -1,0 +1,173 @@
+//! A test's own JetStream stream on the machine's nats-server (`scripts/services.sh` starts it
+//! with JetStream): created as infrastructure code would, published to, inspected, deleted.
+
+use std::path::Path;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer::pull, stream};
+use bytes::Bytes;
+
+/// The NATS server the tests use.
+pub fn nats_url() -> String {
+    std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// One test's stream, named after its env's queue; `cleanup` deletes it and its dead letters.
+pub struct TestStream {
+    /// The NATS server it lives on.
+    pub url: String,
+    pub name: String,
+    /// The subject orders are published to (the stream captures `<name>.>`).
+    pub subject: String,
+    pub dead_letter_subject: String,
+    pub dead_letter_stream: String,
+    pub context: jetstream::Context,
+}
+
+impl TestStream {
+    /// Creates the stream (subjects `<name>.>`) for a test whose queue is `queue`, on the
+    /// machine's nats-server.
+    pub async fn new(queue: &str) -> TestStream {
+        TestStream::on(&nats_url(), queue).await
+    }
+
+    /// [`TestStream::new`] on the nats-server at `url`.
+    pub async fn on(url: &str, queue: &str) -> TestStream {
+        let name = queue.replace('.', "_");
+        let client = async_nats::connect(url)
+            .await
+            .expect("nats-server with JetStream reachable (scripts/services.sh starts it)");
+        let context = jetstream::new(client);
+        context
+            .create_stream(stream::Config {
+                name: name.clone(),
+                subjects: vec![format!("{name}.>")],
+                ..stream::Config::default()
+            })
+            .await
+            .expect("create the test stream");
+        TestStream {
+            url: url.to_string(),
+            subject: format!("{name}.orders"),
+            dead_letter_subject: format!("{name}-dead-letter.rejected"),
+            dead_letter_stream: format!("{name}_DEAD_LETTERS"),
+            name,
+            context,
+        }
+    }
+
+    /// A `[pipelines.<pipeline>]` table consuming this stream with `plugin`; `extra` goes into
+    /// the pipeline's table (keys, then sub-tables), `source_extra` into its source.
+    pub fn pipeline_table(
+        &self,
+        pipeline: &str,
+        plugin: &Path,
+        source_extra: &str,
+        extra: &str,
+    ) -> String {
+        format!(
+            r#"
+[pipelines.{pipeline}]
+consumer = "{pipeline}"
+plugin = "{plugin}"
+prefetch = 64
+workers = 8
+source = {{ kind = "jetstream", servers = ["{url}"], stream = "{stream}", subject = "{subject}", dead_letter_subject = "{dead_letter_subject}", dead_letter_stream = "{dead_letter_stream}"{source_extra} }}
+{extra}
+
+[pipelines.{pipeline}.statements]
+credit_balance = """
+INSERT INTO balances (customer_id, points) VALUES ($1, $2)
+ON CONFLICT (customer_id) DO UPDATE SET points = balances.points + EXCLUDED.points
+"""
+record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES ($1, $2, $3)"
+"#,
+            plugin = plugin.display(),
+            url = self.url,
+            stream = self.name,
+            subject = self.subject,
+            dead_letter_subject = self.dead_letter_subject,
+            dead_letter_stream = self.dead_letter_stream,
+        )
+    }
+
+    /// Publishes `body` to the orders subject and waits for the stream to store it. `id` sets
+    /// `Nats-Msg-Id` (the stream drops a repeat of an id it has seen).
+    pub async fn publish(&self, body: &[u8], id: Option<&str>) {
+        let mut headers = HeaderMap::new();
+        if let Some(id) = id {
+            headers.insert(async_nats::header::NATS_MESSAGE_ID, id);
+        }
+        self.context
+            .publish_with_headers(self.subject.clone(), headers, Bytes::copy_from_slice(body))
+            .await
+            .expect("publish")
+            .await
+            .expect("stored by the stream");
+    }
+
+    /// Publishes `body` once; whether the stream confirmed it stored it (a publish without
+    /// confirmation may still have been stored).
+    pub async fn try_publish(&self, body: &[u8]) -> bool {
+        match self
+            .context
+            .publish(self.subject.clone(), Bytes::copy_from_slice(body))
+            .await
+        {
+            Ok(stored) => stored.await.is_ok(),
+            Err(_) => false,
+        }
+    }
+
+    /// The durable consumer `consumer`'s pending (not delivered) and unacknowledged counts.
+    pub async fn consumer_counts(&self, consumer: &str) -> Option<(u64, usize)> {
+        let stream = self.context.get_stream(&self.name).await.ok()?;
+        let consumer = stream.get_consumer::<pull::Config>(consumer).await.ok()?;
+        let info = consumer.get_info().await.ok()?;
+        Some((info.num_pending, info.num_ack_pending))
+    }
+
+    /// The messages stored on the dead-letter stream: subject-less bodies with their headers.
+    pub async fn dead_letters(&self) -> Vec<(Vec<u8>, Vec<(String, String)>)> {
+        let Ok(stream) = self.context.get_stream(&self.dead_letter_stream).await else {
+            return Vec::new();
+        };
+        let consumer = stream
+            .create_consumer(pull::Config::default())
+            .await
+            .expect("an ephemeral consumer on the dead letters");
+        let mut batch = consumer
+            .fetch()
+            .max_messages(10_000)
+            .expires(Duration::from_secs(1))
+            .messages()
+            .await
+            .expect("fetch dead letters");
+        let mut letters = Vec::new();
+        while let Some(Ok(message)) = futures::StreamExt::next(&mut batch).await {
+            let headers = message
+                .headers
+                .as_ref()
+                .map(|headers| {
+                    headers
+                        .iter()
+                        .flat_map(|(name, values)| {
+                            values
+                                .iter()
+                                .map(move |value| (name.to_string(), value.as_str().to_string()))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            letters.push((message.payload.to_vec(), headers));
+        }
+        letters
+    }
+
+    /// Deletes the stream and its dead-letter stream.
+    pub async fn cleanup(self) {
+        let _ = self.context.delete_stream(&self.name).await;
+        let _ = self.context.delete_stream(&self.dead_letter_stream).await;
+    }
+}
