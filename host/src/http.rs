@@ -164,6 +164,7 @@ async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
                 .unwrap_or_default();
             json!({
                 "name": pipeline.name(),
+                "source": pipeline.config.source_kind(),
                 "queue": pipeline.config.queue(),
                 "dead_letter_queue": pipeline.config.dead_letter(),
                 "consuming": pipeline.consuming.load(Ordering::Relaxed),

@@ -415,3 +415,83 @@ async fn a_transaction_slower_than_ack_wait_is_applied_once() {
         env.cleanup().await;
     }
 }
+
+/// Runs `idem <command> --config <path>`; its exit success and its output.
+fn idem_command(command: &str, path: &Path) -> (bool, String) {
+    let output = std::process::Command::new(idem_e2e::idem_binary())
+        .args([command, "--config"])
+        .arg(path)
+        .output()
+        .expect("run idem");
+    (
+        output.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ),
+    )
+}
+
+/// `idem check` looks at the stream and the consumer without creating them, refuses a
+/// consumer that differs from the config or is missing with `declare = false`, naming the
+/// setting; `idem status` reports the stream's counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_and_status_look_at_the_stream_and_its_consumer() {
+    let env = TestEnv::new("js_check").await;
+    let stream = TestStream::new(&env.queue).await;
+    let write = |source_extra: &str| {
+        let path =
+            std::env::temp_dir().join(format!("{}-{}.toml", env.database, source_extra.len()));
+        std::fs::write(
+            &path,
+            config_text(&env, &stream, "loyalty", source_extra, ""),
+        )
+        .expect("write config");
+        path
+    };
+    let plain = write("");
+    let (ok, output) = idem_command("check", &plain);
+    assert!(ok, "{output}");
+    assert!(output.contains("will be created by idem run"), "{output}");
+    assert_eq!(
+        stream.consumer_counts("idem-loyalty").await,
+        None,
+        "check created the consumer"
+    );
+
+    let bound = write(", declare = false");
+    let (ok, output) = idem_command("check", &bound);
+    assert!(!ok, "{output}");
+    assert!(
+        output.contains("pipelines.loyalty.source.consumer and declare = false"),
+        "{output}"
+    );
+
+    let host = env.start_host(parse(&config_text(&env, &stream, "loyalty", "", "")));
+    stream.publish(&order(1, 2, 300), None).await;
+    wait_for("the order credited", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 1
+    })
+    .await;
+    wait_drained(&stream).await;
+    host.stop().await.expect("host stops cleanly");
+    let (ok, output) = idem_command("check", &plain);
+    assert!(ok, "{output}");
+    assert!(output.contains("match"), "{output}");
+    let (ok, output) = idem_command("status", &plain);
+    assert!(ok, "{output}");
+    assert!(
+        output.contains("1 messages, 0 not delivered, 0 unacknowledged"),
+        "{output}"
+    );
+    let other_wait = write(", ack_wait = \"7s\"");
+    let (ok, output) = idem_command("check", &other_wait);
+    assert!(!ok, "{output}");
+    assert!(output.contains("ack_wait 30s (configured 7s)"), "{output}");
+    for path in [plain, bound, other_wait] {
+        let _ = std::fs::remove_file(path);
+    }
+    stream.cleanup().await;
+    env.cleanup().await;
+}

@@ -264,20 +264,25 @@ async fn ensure_stream(
     }
 }
 
-/// The durable pull consumer: created as configured when missing (with `declare`), and
-/// refused when it exists with other settings than the source's.
-async fn ensure_consumer(
-    context: &jetstream::Context,
-    source: &JetStreamSource,
-) -> Result<jetstream::consumer::Consumer<pull::Config>, JetStreamError> {
-    let wanted = pull::Config {
+/// The durable pull consumer `source` describes.
+fn wanted(source: &JetStreamSource) -> pull::Config {
+    pull::Config {
         durable_name: Some(source.consumer.clone()),
         filter_subject: source.subject.clone().unwrap_or_default(),
         ack_policy: AckPolicy::Explicit,
         ack_wait: source.ack_wait,
         max_deliver: source.max_deliver.unwrap_or(-1),
         ..pull::Config::default()
-    };
+    }
+}
+
+/// The durable pull consumer: created as configured when missing (with `declare`), and
+/// refused when it exists with other settings than the source's.
+async fn ensure_consumer(
+    context: &jetstream::Context,
+    source: &JetStreamSource,
+) -> Result<jetstream::consumer::Consumer<pull::Config>, JetStreamError> {
+    let wanted = wanted(source);
     let stream = context
         .get_stream(&source.stream)
         .await
@@ -309,7 +314,27 @@ async fn ensure_consumer(
             });
         }
     };
-    let have = &consumer.cached_info().config;
+    let differences = differences(&consumer.cached_info().config, &wanted, source.declare);
+    if !differences.is_empty() {
+        return Err(JetStreamError::Refused {
+            subject: format!("{}.consumer {:?}", source.table, source.consumer),
+            reason: format!("it exists with {}", differences.join(", ")),
+            setting: format!(
+                "{table}.subject, ack_wait and max_deliver: they must match the existing consumer, or name another consumer (or set declare = false to use it as it is)",
+                table = source.table
+            ),
+        });
+    }
+    Ok(consumer)
+}
+
+/// How an existing consumer differs from the one `wanted` describes, one phrase each. Its
+/// subject and ack policy always count; with `declare`, its `ack_wait` and `max_deliver` too.
+fn differences(
+    have: &jetstream::consumer::Config,
+    wanted: &pull::Config,
+    declare: bool,
+) -> Vec<String> {
     let mut differences = Vec::new();
     if have.filter_subject != wanted.filter_subject {
         differences.push(format!(
@@ -323,29 +348,113 @@ async fn ensure_consumer(
             have.ack_policy
         ));
     }
-    if source.declare && have.ack_wait != wanted.ack_wait {
+    if declare && have.ack_wait != wanted.ack_wait {
         differences.push(format!(
             "ack_wait {:?} (configured {:?})",
             have.ack_wait, wanted.ack_wait
         ));
     }
-    if source.declare && have.max_deliver != wanted.max_deliver {
+    if declare && have.max_deliver != wanted.max_deliver {
         differences.push(format!(
             "max_deliver {} (configured {})",
             have.max_deliver, wanted.max_deliver
         ));
     }
+    differences
+}
+
+/// What the server has for a source, as `idem check` and `idem status` report it; nothing is
+/// created.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Found {
+    /// The stream is missing; `idem run` creates it (with `declare`).
+    StreamMissing,
+    /// The stream is there, the consumer is not; `idem run` creates it (with `declare`).
+    ConsumerMissing { messages: u64 },
+    /// Both are there and the consumer matches the config.
+    Ready {
+        /// Messages in the stream.
+        messages: u64,
+        /// Not delivered yet, and delivered but not acknowledged.
+        pending: u64,
+        unacknowledged: u64,
+        /// Messages kept on the dead-letter stream (`None`: not created yet).
+        dead_letters: Option<u64>,
+    },
+}
+
+/// Looks at `source`'s stream, consumer and dead-letter stream without creating anything.
+/// A refusal when something is missing that `idem run` would not create (`declare = false`),
+/// or the consumer differs from the config.
+pub async fn inspect(source: &JetStreamSource) -> Result<Found, JetStreamError> {
+    let context = jetstream::new(connect(source, "idem check".into()).await?);
+    let refused = |what: String, reason: String, setting: String| JetStreamError::Refused {
+        subject: what,
+        reason,
+        setting,
+    };
+    let mut stream = match context.get_stream(&source.stream).await {
+        Ok(stream) => stream,
+        Err(error)
+            if matches!(error.kind(), GetStreamErrorKind::JetStream(ref inner)
+                if inner.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
+        {
+            if source.declare {
+                return Ok(Found::StreamMissing);
+            }
+            return Err(refused(
+                format!("{}.stream {:?}", source.table, source.stream),
+                "it does not exist".into(),
+                format!(
+                    "{}.stream and declare = false: the stream must exist before idem starts",
+                    source.table
+                ),
+            ));
+        }
+        Err(error) => return Err(request_error("look up stream", &source.stream, error)),
+    };
+    let messages = stream
+        .info()
+        .await
+        .map_err(|error| request_error("read", &source.stream, error))?
+        .state
+        .messages;
+    let consumer = match stream.get_consumer::<pull::Config>(&source.consumer).await {
+        Ok(consumer) => consumer,
+        Err(_) if source.declare => return Ok(Found::ConsumerMissing { messages }),
+        Err(error) => {
+            return Err(refused(
+                format!("{}.consumer {:?}", source.table, source.consumer),
+                error.to_string(),
+                format!(
+                    "{}.consumer and declare = false: the consumer must exist before idem starts",
+                    source.table
+                ),
+            ));
+        }
+    };
+    let info = consumer.cached_info();
+    let differences = differences(&info.config, &wanted(source), source.declare);
     if !differences.is_empty() {
-        return Err(JetStreamError::Refused {
-            subject: format!("{}.consumer {:?}", source.table, source.consumer),
-            reason: format!("it exists with {}", differences.join(", ")),
-            setting: format!(
-                "{table}.subject, ack_wait and max_deliver: they must match the existing consumer, or name another consumer (or set declare = false to use it as it is)",
-                table = source.table
+        return Err(refused(
+            format!("{}.consumer {:?}", source.table, source.consumer),
+            format!("it exists with {}", differences.join(", ")),
+            format!(
+                "{}.subject, ack_wait and max_deliver: they must match the existing consumer",
+                source.table
             ),
-        });
+        ));
     }
-    Ok(consumer)
+    let dead_letters = match context.get_stream(&source.dead_letter_stream).await {
+        Ok(mut stream) => stream.info().await.ok().map(|info| info.state.messages),
+        Err(_) => None,
+    };
+    Ok(Found::Ready {
+        messages,
+        pending: info.num_pending,
+        unacknowledged: info.num_ack_pending as u64,
+        dead_letters,
+    })
 }
 
 fn request_error(

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use idem_host::config::Config;
 use idem_host::pipeline;
 use idem_host::sandbox::PluginRuntime;
-use idem_host::source::rabbitmq;
+use idem_host::source::{jetstream, rabbitmq};
 use idem_host::store::database;
 use idem_host::store::statement::StatementCatalog;
 use sha2::Digest;
@@ -51,6 +51,7 @@ pub async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
         );
     } else {
         check_broker(&config, &mut problems).await;
+        check_streams(&config, &mut problems).await;
         match database::connect_once(&config.database).await {
             Err(error) => problems.push(error.to_string()),
             Ok(pool) => {
@@ -95,7 +96,7 @@ pub async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
         }
     }
     let note = if offline {
-        " (offline: PostgreSQL and RabbitMQ not checked; effects checked for statement names and parameter counts)"
+        " (offline: PostgreSQL and the brokers not checked; effects checked for statement names and parameter counts)"
     } else {
         ""
     };
@@ -112,6 +113,32 @@ fn verdict(config: &Config, problems: &[String], note: &str) -> ExitCode {
     } else {
         println!("{} problem(s) found{note}", problems.len());
         ExitCode::FAILURE
+    }
+}
+
+/// Connects to each JetStream pipeline's servers as `idem run` would and looks at its stream
+/// and consumer without creating either.
+async fn check_streams(config: &Config, problems: &mut Vec<String>) {
+    for pipeline_config in &config.pipelines {
+        let Some(source) = jetstream::settings(pipeline_config) else {
+            continue;
+        };
+        let name = &pipeline_config.name;
+        match jetstream::inspect(source).await {
+            Ok(jetstream::Found::StreamMissing) => println!(
+                "ok   pipeline {name:?}: stream {:?} will be created by idem run",
+                source.stream
+            ),
+            Ok(jetstream::Found::ConsumerMissing { messages }) => println!(
+                "ok   pipeline {name:?}: stream {:?} exists ({messages} messages); consumer {:?} will be created by idem run",
+                source.stream, source.consumer
+            ),
+            Ok(jetstream::Found::Ready { messages, .. }) => println!(
+                "ok   pipeline {name:?}: stream {:?} ({messages} messages) and consumer {:?} match",
+                source.stream, source.consumer
+            ),
+            Err(error) => problems.push(error.to_string()),
+        }
     }
 }
 
@@ -182,28 +209,44 @@ pub async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             "  plugin file   {} ({plugin})",
             pipeline_config.plugin.display()
         );
-        for (label, queue) in [
-            ("queue", pipeline_config.queue()),
-            ("dead letters", pipeline_config.dead_letter()),
-        ] {
-            let depth = if rabbitmq::queues(pipeline_config).is_err() {
-                format!("a {} source", pipeline_config.source_kind())
-            } else {
+        if let Some(source) = jetstream::settings(pipeline_config) {
+            let state = match jetstream::inspect(source).await {
+                Ok(jetstream::Found::StreamMissing) => "not created yet".to_string(),
+                Ok(jetstream::Found::ConsumerMissing { messages }) => {
+                    format!("{messages} messages; consumer not created yet")
+                }
+                Ok(jetstream::Found::Ready {
+                    messages,
+                    pending,
+                    unacknowledged,
+                    dead_letters,
+                }) => format!(
+                    "{messages} messages, {pending} not delivered, {unacknowledged} unacknowledged; dead letters: {}",
+                    dead_letters.map_or("none yet".to_string(), |count| count.to_string())
+                ),
+                Err(error) => format!("unknown ({error})"),
+            };
+            println!("  stream        {:?}: {state}", source.stream);
+        } else {
+            for (label, queue) in [
+                ("queue", pipeline_config.queue()),
+                ("dead letters", pipeline_config.dead_letter()),
+            ] {
                 let depth = match &config.amqp {
                     Some(amqp) => rabbitmq::queue_depth(amqp, queue).await,
                     None => Err(rabbitmq::AmqpError::NotConfigured {
                         pipeline: pipeline_config.name.clone(),
                     }),
                 };
-                match depth {
+                let depth = match depth {
                     Ok(Some(depth)) => {
                         format!("{} ready, {} consumers", depth.ready, depth.consumers)
                     }
                     Ok(None) => "not declared yet".to_string(),
                     Err(error) => format!("unknown ({error})"),
-                }
-            };
-            println!("  {label:<13} {queue:?}: {depth}");
+                };
+                println!("  {label:<13} {queue:?}: {depth}");
+            }
         }
         if let Some(pool) = &pool {
             let claims: Result<(i64, Option<f64>), _> = sqlx::query_as(
