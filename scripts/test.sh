@@ -10,7 +10,7 @@ if ! rustup target list --installed | grep -qx wasm32-wasip2; then
   rustup target add wasm32-wasip2
 fi
 # The Python and JavaScript plugin toolchains (pinned), for the language tests.
-if ! python3 -m pip show componentize-py 2>/dev/null | grep -qx 'Version: 0.25.1'; then
+if ! python3 -m pip show componentize-py 2>/dev/null | grep -x 'Version: 0.25.1' >/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check componentize-py==0.25.1
 fi
 if [ ! -d "$root/plugins/loyalty-js/node_modules" ]; then

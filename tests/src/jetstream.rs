@@ -77,12 +77,8 @@ source = {{ kind = "jetstream", servers = ["{url}"], stream = "{stream}", subjec
 {extra}
 
 [pipelines.{pipeline}.statements]
-credit_balance = """
-INSERT INTO balances (customer_id, points) VALUES ($1, $2)
-ON CONFLICT (customer_id) DO UPDATE SET points = balances.points + EXCLUDED.points
-"""
-record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES ($1, $2, $3)"
-"#,
+{statements}"#,
+            statements = crate::LOYALTY_STATEMENTS,
             plugin = plugin.display(),
             url = self.url,
             stream = self.name,

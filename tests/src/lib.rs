@@ -495,15 +495,18 @@ workers = 8
 {extra}
 
 [pipelines.{name}.statements]
-credit_balance = """
+{LOYALTY_STATEMENTS}"#,
+        plugin = plugin.display(),
+    )
+}
+
+/// The demo's two statements, as a `[pipelines.<name>.statements]` table's body.
+pub const LOYALTY_STATEMENTS: &str = r#"credit_balance = """
 INSERT INTO balances (customer_id, points) VALUES ($1, $2)
 ON CONFLICT (customer_id) DO UPDATE SET points = balances.points + EXCLUDED.points
 """
 record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES ($1, $2, $3)"
-"#,
-        plugin = plugin.display(),
-    )
-}
+"#;
 
 /// Deletes `queue` and declares it again, durable, with `arguments` (as infrastructure code
 /// would, e.g. a quorum queue with a delivery limit).
