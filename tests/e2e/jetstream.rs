@@ -495,3 +495,40 @@ async fn check_and_status_look_at_the_stream_and_its_consumer() {
     stream.cleanup().await;
     env.cleanup().await;
 }
+
+/// The durable consumer deleted under load: the host loses its pull, opens the source again
+/// (with backoff), creates the consumer again (`declare`), and every order is credited once.
+/// The new consumer delivers the stream from its start, and the claims make the orders
+/// already applied duplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_consumer_is_created_again_and_nothing_doubles() {
+    let env = TestEnv::new("js_deleted").await;
+    let stream = TestStream::new(&env.queue).await;
+    let host = env.start_host(config(&env, &stream, "", ""));
+    for order_id in 0..300 {
+        stream
+            .publish(&order(order_id, order_id % 11, 100), None)
+            .await;
+    }
+    wait_for("some orders credited", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await >= 100
+    })
+    .await;
+    stream.delete_consumer("idem-loyalty").await;
+    for order_id in 300..600 {
+        stream
+            .publish(&order(order_id, order_id % 11, 100), None)
+            .await;
+    }
+    wait_for("every order credited", Duration::from_secs(90), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 600
+    })
+    .await;
+    wait_drained(&stream).await;
+    assert!(!host.is_finished(), "the host stopped");
+    host.stop().await.expect("host stops cleanly");
+    env.assert_loyalty_consistent().await;
+    assert!(stream.dead_letters().await.is_empty(), "nothing rejected");
+    stream.cleanup().await;
+    env.cleanup().await;
+}

@@ -161,6 +161,14 @@ source = {{ kind = "jetstream", servers = ["{url}"], stream = "{stream}", subjec
         letters
     }
 
+    /// Deletes the durable consumer `consumer` (as an operator might, under load).
+    pub async fn delete_consumer(&self, consumer: &str) {
+        self.context
+            .delete_consumer_from_stream(consumer, &self.name)
+            .await
+            .expect("delete the consumer");
+    }
+
     /// Deletes the stream and its dead-letter stream.
     pub async fn cleanup(self) {
         let _ = self.context.delete_stream(&self.name).await;
