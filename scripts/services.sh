@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Starts the local PostgreSQL, RabbitMQ and NATS (with JetStream) if they are installed but
-# down, and waits until they accept connections. No Docker: the services are the machine's own
-# packages.
+# Starts the local PostgreSQL and RabbitMQ, and with `--nats` NATS (with JetStream), if they
+# are installed but down, and waits until they accept connections. No Docker: the services are
+# the machine's own packages.
 set -euo pipefail
+with_nats=0
+[ "${1:-}" = "--nats" ] && with_nats=1
 
 pg_up() { pg_isready -q -h 127.0.0.1 -p 5432; }
 rabbit_up() { (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; }
@@ -28,7 +30,7 @@ if ! rabbit_up; then
   fi
 fi
 
-if ! nats_up; then
+if [ "$with_nats" = 1 ] && ! nats_up; then
   if [ -x /usr/sbin/nats-server ] || command -v nats-server >/dev/null; then
     echo "services: starting nats-server with JetStream"
     mkdir -p /var/lib/nats-server
@@ -41,14 +43,20 @@ if ! nats_up; then
   fi
 fi
 
+nats_ready() { [ "$with_nats" = 0 ] || nats_up; }
+
 for _ in $(seq 1 120); do
-  if pg_up && rabbit_up && nats_up; then
-    echo "services: PostgreSQL, RabbitMQ and NATS are up"
+  if pg_up && rabbit_up && nats_ready; then
+    if [ "$with_nats" = 1 ]; then
+      echo "services: PostgreSQL, RabbitMQ and NATS are up"
+    else
+      echo "services: PostgreSQL and RabbitMQ are up"
+    fi
     exit 0
   fi
   sleep 1
 done
 pg_up || echo "services: PostgreSQL still down after 120 s" >&2
 rabbit_up || echo "services: RabbitMQ still down after 120 s" >&2
-nats_up || echo "services: NATS still down after 120 s" >&2
+nats_ready || echo "services: NATS still down after 120 s" >&2
 exit 1
