@@ -28,11 +28,10 @@ pub async fn consume<S: Source>(
     shutdown: CancellationToken,
 ) -> Result<(), SourceError> {
     let name = pipeline.config.name.clone();
-    let config = Arc::new(pipeline.config.clone());
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     while !shutdown.is_cancelled() {
         let opened = tokio::select! {
-            opened = S::open(&settings, &config, &shutdown) => opened,
+            opened = S::open(&settings, &pipeline.config, &shutdown) => opened,
             () = shutdown.cancelled() => return Ok(()),
         };
         let lost = match opened {

@@ -145,16 +145,7 @@ source = {{ kind = "jetstream", servers = ["{url}"], stream = "{stream}", subjec
             let headers = message
                 .headers
                 .as_ref()
-                .map(|headers| {
-                    headers
-                        .iter()
-                        .flat_map(|(name, values)| {
-                            values
-                                .iter()
-                                .map(move |value| (name.to_string(), value.as_str().to_string()))
-                        })
-                        .collect()
-                })
+                .map(idem_host::source::jetstream::header_pairs)
                 .unwrap_or_default();
             letters.push((message.payload.to_vec(), headers));
         }

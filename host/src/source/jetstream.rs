@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, pull};
-use async_nats::jetstream::context::GetStreamErrorKind;
+use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind};
+use async_nats::jetstream::stream::ConsumerErrorKind;
 use async_nats::jetstream::{self, AckKind, ErrorCode, stream};
 use async_nats::{ConnectErrorKind, ConnectOptions, HeaderMap};
 use futures::StreamExt;
@@ -218,8 +219,80 @@ impl Session {
     }
 }
 
+/// Stream `name`, or `None` when the server has no stream by that name.
+async fn find_stream(
+    context: &jetstream::Context,
+    name: &str,
+) -> Result<Option<stream::Stream>, JetStreamError> {
+    match context.get_stream(name).await {
+        Ok(stream) => Ok(Some(stream)),
+        Err(error)
+            if matches!(error.kind(), GetStreamErrorKind::JetStream(ref inner)
+                if inner.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
+        {
+            Ok(None)
+        }
+        Err(error) => Err(request_error("look up stream", name, error)),
+    }
+}
+
+/// `source`'s durable consumer, or `None` when its stream has no consumer by that name.
+async fn find_consumer(
+    context: &jetstream::Context,
+    source: &JetStreamSource,
+) -> Result<Option<jetstream::consumer::Consumer<pull::Config>>, JetStreamError> {
+    match context
+        .get_consumer_from_stream::<pull::Config, _, _>(&source.consumer, &source.stream)
+        .await
+    {
+        Ok(consumer) => Ok(Some(consumer)),
+        Err(error)
+            if matches!(error.kind(), ConsumerErrorKind::JetStream(ref inner)
+                if inner.error_code() == ErrorCode::CONSUMER_NOT_FOUND) =>
+        {
+            Ok(None)
+        }
+        Err(error) => Err(request_error("look up consumer", &source.consumer, error)),
+    }
+}
+
+/// The refusal for `key`'s `name` missing with `declare = false`, which idem does not create.
+fn must_exist(source: &JetStreamSource, key: &str, name: &str) -> JetStreamError {
+    JetStreamError::Refused {
+        subject: format!("{}.{key} {name:?}", source.table),
+        reason: "it does not exist".into(),
+        setting: format!(
+            "{}.{key} and declare = false: with declare = false it must exist before idem starts",
+            source.table
+        ),
+    }
+}
+
+/// The refusal for an existing consumer that differs from `source`'s (see `differences`).
+fn check_consumer(
+    source: &JetStreamSource,
+    consumer: &jetstream::consumer::Consumer<pull::Config>,
+) -> Result<(), JetStreamError> {
+    let differences = differences(
+        &consumer.cached_info().config,
+        &wanted(source),
+        source.declare,
+    );
+    if differences.is_empty() {
+        return Ok(());
+    }
+    Err(JetStreamError::Refused {
+        subject: format!("{}.consumer {:?}", source.table, source.consumer),
+        reason: format!("it exists with {}", differences.join(", ")),
+        setting: format!(
+            "{table}.subject, ack_wait and max_deliver: they must match the existing consumer, or name another consumer (or set declare = false to use it as it is)",
+            table = source.table
+        ),
+    })
+}
+
 /// Makes sure stream `name` exists: created (capturing `subject`) when missing and the source
-/// may declare; refused when missing and it may not.
+/// may declare; refused when missing and it may not, or when the server refuses to create it.
 async fn ensure_stream(
     context: &jetstream::Context,
     source: &JetStreamSource,
@@ -227,40 +300,32 @@ async fn ensure_stream(
     subject: String,
     key: &str,
 ) -> Result<(), JetStreamError> {
-    match context.get_stream(name).await {
+    if find_stream(context, name).await?.is_some() {
+        return Ok(());
+    }
+    if !source.declare {
+        return Err(must_exist(source, key, name));
+    }
+    let created = context
+        .create_stream(stream::Config {
+            name: name.to_string(),
+            subjects: vec![subject],
+            ..stream::Config::default()
+        })
+        .await;
+    match created {
         Ok(_) => Ok(()),
-        Err(error)
-            if matches!(error.kind(), GetStreamErrorKind::JetStream(ref inner)
-                if inner.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
-        {
-            if !source.declare {
-                return Err(JetStreamError::Refused {
-                    subject: format!("{}.{key} {name:?}", source.table),
-                    reason: "it does not exist".into(),
-                    setting: format!(
-                        "{}.{key} and declare = false: with declare = false the stream must exist before idem starts",
-                        source.table
-                    ),
-                });
-            }
-            context
-                .create_stream(stream::Config {
-                    name: name.to_string(),
-                    subjects: vec![subject],
-                    ..stream::Config::default()
-                })
-                .await
-                .map(drop)
-                .map_err(|error| JetStreamError::Refused {
-                    subject: format!("{}.{key} {name:?}", source.table),
-                    reason: error.to_string(),
-                    setting: format!(
-                        "{}.{key}: idem creates it when missing; its subjects must not overlap another stream's",
-                        source.table
-                    ),
-                })
+        Err(error) if matches!(error.kind(), CreateStreamErrorKind::JetStream(_)) => {
+            Err(JetStreamError::Refused {
+                subject: format!("{}.{key} {name:?}", source.table),
+                reason: error.to_string(),
+                setting: format!(
+                    "{}.{key}: idem creates it when missing; its subjects must not overlap another stream's",
+                    source.table
+                ),
+            })
         }
-        Err(error) => Err(request_error("look up stream", name, error)),
+        Err(error) => Err(request_error("create stream", name, error)),
     }
 }
 
@@ -282,49 +347,32 @@ async fn ensure_consumer(
     context: &jetstream::Context,
     source: &JetStreamSource,
 ) -> Result<jetstream::consumer::Consumer<pull::Config>, JetStreamError> {
-    let wanted = wanted(source);
-    let stream = context
-        .get_stream(&source.stream)
-        .await
-        .map_err(|error| request_error("look up stream", &source.stream, error))?;
-    let found = stream.get_consumer::<pull::Config>(&source.consumer).await;
-    let consumer = match found {
-        Ok(consumer) => consumer,
-        Err(_) if source.declare => {
-            stream
-                .create_consumer(wanted.clone())
+    let consumer = match find_consumer(context, source).await? {
+        Some(consumer) => consumer,
+        None if source.declare => {
+            match context
+                .create_consumer_on_stream(wanted(source), &source.stream)
                 .await
-                .map_err(|error| JetStreamError::Refused {
-                    subject: format!("{}.consumer {:?}", source.table, source.consumer),
-                    reason: error.to_string(),
-                    setting: format!(
-                        "{}.consumer, subject, ack_wait and max_deliver",
-                        source.table
-                    ),
-                })?
+            {
+                Ok(consumer) => consumer,
+                Err(error) if matches!(error.kind(), ConsumerErrorKind::JetStream(_)) => {
+                    return Err(JetStreamError::Refused {
+                        subject: format!("{}.consumer {:?}", source.table, source.consumer),
+                        reason: error.to_string(),
+                        setting: format!(
+                            "{}.consumer, subject, ack_wait and max_deliver",
+                            source.table
+                        ),
+                    });
+                }
+                Err(error) => {
+                    return Err(request_error("create consumer", &source.consumer, error));
+                }
+            }
         }
-        Err(error) => {
-            return Err(JetStreamError::Refused {
-                subject: format!("{}.consumer {:?}", source.table, source.consumer),
-                reason: error.to_string(),
-                setting: format!(
-                    "{}.consumer and declare = false: with declare = false the consumer must exist before idem starts",
-                    source.table
-                ),
-            });
-        }
+        None => return Err(must_exist(source, "consumer", &source.consumer)),
     };
-    let differences = differences(&consumer.cached_info().config, &wanted, source.declare);
-    if !differences.is_empty() {
-        return Err(JetStreamError::Refused {
-            subject: format!("{}.consumer {:?}", source.table, source.consumer),
-            reason: format!("it exists with {}", differences.join(", ")),
-            setting: format!(
-                "{table}.subject, ack_wait and max_deliver: they must match the existing consumer, or name another consumer (or set declare = false to use it as it is)",
-                table = source.table
-            ),
-        });
-    }
+    check_consumer(source, &consumer)?;
     Ok(consumer)
 }
 
@@ -388,30 +436,11 @@ pub enum Found {
 /// or the consumer differs from the config.
 pub async fn inspect(source: &JetStreamSource) -> Result<Found, JetStreamError> {
     let context = jetstream::new(connect(source, "idem check".into()).await?);
-    let refused = |what: String, reason: String, setting: String| JetStreamError::Refused {
-        subject: what,
-        reason,
-        setting,
-    };
-    let mut stream = match context.get_stream(&source.stream).await {
-        Ok(stream) => stream,
-        Err(error)
-            if matches!(error.kind(), GetStreamErrorKind::JetStream(ref inner)
-                if inner.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
-        {
-            if source.declare {
-                return Ok(Found::StreamMissing);
-            }
-            return Err(refused(
-                format!("{}.stream {:?}", source.table, source.stream),
-                "it does not exist".into(),
-                format!(
-                    "{}.stream and declare = false: the stream must exist before idem starts",
-                    source.table
-                ),
-            ));
+    let Some(mut stream) = find_stream(&context, &source.stream).await? else {
+        if source.declare {
+            return Ok(Found::StreamMissing);
         }
-        Err(error) => return Err(request_error("look up stream", &source.stream, error)),
+        return Err(must_exist(source, "stream", &source.stream));
     };
     let messages = stream
         .info()
@@ -419,32 +448,14 @@ pub async fn inspect(source: &JetStreamSource) -> Result<Found, JetStreamError> 
         .map_err(|error| request_error("read", &source.stream, error))?
         .state
         .messages;
-    let consumer = match stream.get_consumer::<pull::Config>(&source.consumer).await {
-        Ok(consumer) => consumer,
-        Err(_) if source.declare => return Ok(Found::ConsumerMissing { messages }),
-        Err(error) => {
-            return Err(refused(
-                format!("{}.consumer {:?}", source.table, source.consumer),
-                error.to_string(),
-                format!(
-                    "{}.consumer and declare = false: the consumer must exist before idem starts",
-                    source.table
-                ),
-            ));
+    let Some(consumer) = find_consumer(&context, source).await? else {
+        if source.declare {
+            return Ok(Found::ConsumerMissing { messages });
         }
+        return Err(must_exist(source, "consumer", &source.consumer));
     };
+    check_consumer(source, &consumer)?;
     let info = consumer.cached_info();
-    let differences = differences(&info.config, &wanted(source), source.declare);
-    if !differences.is_empty() {
-        return Err(refused(
-            format!("{}.consumer {:?}", source.table, source.consumer),
-            format!("it exists with {}", differences.join(", ")),
-            format!(
-                "{}.subject, ack_wait and max_deliver: they must match the existing consumer",
-                source.table
-            ),
-        ));
-    }
     let dead_letters = match context.get_stream(&source.dead_letter_stream).await {
         Ok(mut stream) => stream.info().await.ok().map(|info| info.state.messages),
         Err(_) => None,
@@ -476,7 +487,7 @@ impl Source for Session {
 
     async fn open(
         _settings: &(),
-        pipeline: &Arc<PipelineConfig>,
+        pipeline: &PipelineConfig,
         _shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
         Ok(Session::open(pipeline, pipeline.effective_prefetch()).await?)
@@ -578,7 +589,7 @@ impl Session {
 }
 
 /// Header pairs in the order of their names; a name with several values gives several pairs.
-fn header_pairs(headers: &HeaderMap) -> Vec<(String, String)> {
+pub fn header_pairs(headers: &HeaderMap) -> Vec<(String, String)> {
     let mut pairs: Vec<(String, String)> = headers
         .iter()
         .flat_map(|(name, values)| {

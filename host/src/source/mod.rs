@@ -12,7 +12,6 @@ pub mod jetstream;
 pub mod rabbitmq;
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -32,11 +31,9 @@ pub const REJECTED_AT_HEADER: &str = "x-idem-rejected-at";
 /// Longest reason kept in a header, in bytes.
 const REASON_BYTES: usize = 4096;
 
-/// A reason as a dead letter's header carries it: one line (line breaks become spaces, which
-/// NATS headers require), at most `REASON_BYTES` bytes, cut on a character boundary.
-pub fn reason_text(reason: &str) -> String {
-    let line: String = reason
-        .chars()
+/// `text` on one line: every control character (line breaks, tabs) becomes a space.
+pub fn one_line(text: &str) -> String {
+    text.chars()
         .map(|character| {
             if character.is_control() {
                 ' '
@@ -44,7 +41,13 @@ pub fn reason_text(reason: &str) -> String {
                 character
             }
         })
-        .collect();
+        .collect()
+}
+
+/// A reason as a dead letter's header carries it: one line (which NATS headers require), at
+/// most `REASON_BYTES` bytes, cut on a character boundary.
+pub fn reason_text(reason: &str) -> String {
+    let line = one_line(reason);
     if line.len() <= REASON_BYTES {
         return line;
     }
@@ -95,7 +98,7 @@ pub trait Source: Send + Sized + 'static {
     /// consuming. `shutdown` ends any wait a settlement would make (a retry's delay).
     fn open(
         settings: &Self::Settings,
-        pipeline: &Arc<PipelineConfig>,
+        pipeline: &PipelineConfig,
         shutdown: &CancellationToken,
     ) -> impl Future<Output = Result<Self, SourceError>> + Send;
 

@@ -58,8 +58,8 @@ async fn list(
                     letter.position.to_string(),
                     letter.age.map_or("-".into(), format_age),
                     letter.kind.clone().unwrap_or_else(|| "-".into()),
-                    one_line(letter.reason.as_deref().unwrap_or("-"), 80),
-                    one_line(
+                    cut_line(letter.reason.as_deref().unwrap_or("-"), 80),
+                    cut_line(
                         &String::from_utf8_lossy(&letter.message.body),
                         PREVIEW_CHARS,
                     ),
@@ -166,7 +166,7 @@ async fn replay(
                 "{verb} #{} ({}: {})",
                 letter.position,
                 letter.kind.as_deref().unwrap_or("-"),
-                one_line(letter.reason.as_deref().unwrap_or("-"), 80)
+                cut_line(letter.reason.as_deref().unwrap_or("-"), 80)
             );
         },
     )
@@ -188,7 +188,7 @@ fn letter_json(letter: &DeadLetter, whole_body: bool) -> serde_json::Value {
     let body = &letter.message.body;
     let body = match std::str::from_utf8(body) {
         Ok(text) if whole_body => json!({ "text": text }),
-        Ok(text) => json!({ "preview": one_line(text, PREVIEW_CHARS) }),
+        Ok(text) => json!({ "preview": cut_line(text, PREVIEW_CHARS) }),
         Err(_) => json!({ "hex": hex::encode(body) }),
     };
     json!({
@@ -252,7 +252,7 @@ pub async fn outbox(path: &Path, command: OutboxCommand) -> anyhow::Result<ExitC
                         row.idempotency_key,
                         row.attempts.to_string(),
                         format_age(Duration::from_secs_f64(row.age_seconds.max(0.0))),
-                        one_line(row.last_error.as_deref().unwrap_or("-"), 80),
+                        cut_line(row.last_error.as_deref().unwrap_or("-"), 80),
                     ]
                 })
                 .collect();
@@ -322,18 +322,9 @@ fn print_table<const N: usize>(header: &[&str; N], rows: Vec<[String; N]>) {
     }
 }
 
-/// `text` on one line, cut to `max` characters.
-fn one_line(text: &str, max: usize) -> String {
-    let flat: String = text
-        .chars()
-        .map(|character| {
-            if character.is_control() {
-                ' '
-            } else {
-                character
-            }
-        })
-        .collect();
+/// `text` on one line (`source::one_line`), cut to `max` characters.
+fn cut_line(text: &str, max: usize) -> String {
+    let flat = idem_host::source::one_line(text);
     if flat.chars().count() <= max {
         return flat;
     }

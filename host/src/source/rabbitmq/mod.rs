@@ -137,7 +137,7 @@ impl Session {
     /// starts consuming.
     pub async fn open(
         amqp: &AmqpConfig,
-        pipeline: &Arc<PipelineConfig>,
+        pipeline: &PipelineConfig,
         shutdown: &CancellationToken,
     ) -> Result<Session, AmqpError> {
         let queues = queues(pipeline)?;
@@ -248,7 +248,7 @@ impl Source for Session {
 
     async fn open(
         settings: &AmqpConfig,
-        pipeline: &Arc<PipelineConfig>,
+        pipeline: &PipelineConfig,
         shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
         Ok(Session::open(settings, pipeline, shutdown).await?)
