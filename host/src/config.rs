@@ -122,16 +122,16 @@ pub struct AmqpConfig {
     pub url: String,
     /// TLS settings for an `amqps://` URL.
     #[serde(default)]
-    pub tls: Option<AmqpTls>,
+    pub tls: Option<ClientTls>,
 }
 
-/// The `[amqp.tls]` table. Relative paths resolve against the config file's directory.
-/// The broker's certificate must always name the URL's host.
+/// The `[amqp.tls]` table, and a JetStream source's `tls`. Relative paths resolve against the
+/// config file's directory. The server's certificate must always name the URL's host.
 #[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct AmqpTls {
-    /// PEM file of the certificate authorities that may sign the broker's certificate, trusted
-    /// besides the system's roots.
+pub struct ClientTls {
+    /// PEM file of the certificate authorities that may sign the server's certificate, trusted
+    /// besides the usual public roots.
     #[serde(default, deserialize_with = "interpolated_path_option")]
     pub ca_file: Option<PathBuf>,
     /// PEM client certificate, for brokers that require one (mutual TLS).
@@ -195,6 +195,10 @@ pub struct PipelineConfig {
 
 /// What a pipeline consumes (`[pipelines.<name>.source]`).
 #[derive(Debug, Clone)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one per pipeline, read once at start: boxing would buy nothing"
+)]
 pub enum SourceConfig {
     RabbitMq(RabbitMqSource),
     JetStream(JetStreamSource),
@@ -215,6 +219,12 @@ pub struct JetStreamSource {
     pub user: Option<String>,
     pub password: Option<String>,
     pub token: Option<String>,
+    /// A NATS credentials file (a user JWT and its NKey seed), as NGS or an operator-mode
+    /// server hands out.
+    pub credentials_file: Option<PathBuf>,
+    /// TLS: required when set (also with a `nats://` URL), with these authorities and client
+    /// certificate; a `tls://` URL alone uses the public roots.
+    pub tls: Option<ClientTls>,
     pub stream: String,
     /// The subject filter of the consumer; the stream's subjects when absent.
     pub subject: Option<String>,
@@ -684,9 +694,9 @@ impl Config {
                             };
                             SourceConfig::RabbitMq(keys.source(&table, source_at)?)
                         }
-                        SourceKind::Jetstream => {
-                            SourceConfig::JetStream(raw_source.jetstream(&name, &table, source_at)?)
-                        }
+                        SourceKind::Jetstream => SourceConfig::JetStream(
+                            raw_source.jetstream(&name, &table, base_dir, source_at)?,
+                        ),
                     }
                 }
                 None if legacy.any() => {
@@ -1029,6 +1039,13 @@ struct RawSource {
     /// JetStream: an authentication token, when the server asks for one.
     #[serde(default, deserialize_with = "interpolated_option")]
     token: Option<String>,
+    /// JetStream: a credentials file (user JWT and NKey seed), instead of user/password or
+    /// token. A relative path resolves against the config file's directory.
+    #[serde(default, deserialize_with = "interpolated_path_option")]
+    credentials_file: Option<PathBuf>,
+    /// JetStream: TLS, required when this is set: `ca_file` (authorities trusted besides the
+    /// public roots), `cert_file` and `key_file` (a client certificate, for servers that ask).
+    tls: Option<ClientTls>,
     /// JetStream: the stream this pipeline consumes.
     #[serde(default, deserialize_with = "interpolated_spanned_option")]
     #[schemars(with = "Option<String>")]
@@ -1067,6 +1084,8 @@ impl RawSource {
             ("user", self.user.is_some()),
             ("password", self.password.is_some()),
             ("token", self.token.is_some()),
+            ("credentials_file", self.credentials_file.is_some()),
+            ("tls", self.tls.is_some()),
             ("stream", self.stream.is_some()),
             ("subject", self.subject.is_some()),
             ("consumer", self.consumer.is_some()),
@@ -1086,6 +1105,7 @@ impl RawSource {
         self,
         pipeline: &str,
         table: &str,
+        base_dir: &Path,
         at: impl Fn(Option<Range<usize>>, &str, String) -> ConfigError,
     ) -> Result<JetStreamSource, ConfigError> {
         for (key, set) in [
@@ -1144,6 +1164,46 @@ impl RawSource {
                 ));
             }
         };
+        let ways = [
+            self.user.is_some() || self.password.is_some(),
+            self.token.is_some(),
+            self.credentials_file.is_some(),
+        ];
+        if ways.iter().filter(|way| **way).count() > 1 {
+            return Err(at(
+                None,
+                "credentials_file",
+                "user/password, token and credentials_file are three ways to authenticate: give one".into(),
+            ));
+        }
+        if self.user.is_some() != self.password.is_some() {
+            return Err(at(
+                None,
+                if self.user.is_some() {
+                    "password"
+                } else {
+                    "user"
+                },
+                "user and password go together".into(),
+            ));
+        }
+        let mut tls = self.tls;
+        if let Some(tls) = &mut tls {
+            if tls.cert_file.is_some() != tls.key_file.is_some() {
+                return Err(at(
+                    None,
+                    "tls",
+                    "cert_file and key_file go together (the client certificate and its key)"
+                        .into(),
+                ));
+            }
+            for path in [&mut tls.ca_file, &mut tls.cert_file, &mut tls.key_file]
+                .into_iter()
+                .flatten()
+            {
+                *path = base_dir.join(&*path);
+            }
+        }
         let consumer = self.consumer.unwrap_or_else(|| format!("idem-{pipeline}"));
         if !name_ok(&consumer) {
             return Err(at(
@@ -1198,6 +1258,8 @@ impl RawSource {
             user: self.user,
             password: self.password,
             token: self.token,
+            credentials_file: self.credentials_file.map(|path| base_dir.join(path)),
+            tls,
             stream,
             subject: self.subject,
             consumer,
@@ -1213,7 +1275,7 @@ impl RawSource {
 }
 
 /// Whether NATS subject `subject` is matched by `filter` (`*` one token, `>` the rest).
-fn subject_matches(filter: &str, subject: &str) -> bool {
+pub fn subject_matches(filter: &str, subject: &str) -> bool {
     let mut subject_tokens = subject.split('.');
     for token in filter.split('.') {
         match (token, subject_tokens.next()) {

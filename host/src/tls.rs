@@ -2,7 +2,8 @@
 //! mismatched certificate, a required client certificate missing, a peer that does not speak
 //! TLS) reaches PostgreSQL's and RabbitMQ's clients as an I/O error carrying a rustls error.
 //! It is a configuration fault; a network failure carries none and is retried. And the TLS
-//! client settings of the message transactions' PostgreSQL sessions, as libpq's `sslmode`.
+//! client settings of the message transactions' PostgreSQL sessions (as libpq's `sslmode`)
+//! and of NATS connections.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -47,7 +48,7 @@ pub enum Verify {
     Full,
 }
 
-/// Why the TLS settings of PostgreSQL sessions cannot be used.
+/// Why TLS settings cannot be used.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot read {what} {path}: {reason}")]
 pub struct TlsFileError {
@@ -56,24 +57,43 @@ pub struct TlsFileError {
     reason: String,
 }
 
-/// The rustls client configuration of a PostgreSQL session: the authorities of `root_cert`
-/// (a PEM file) beside the Mozilla roots, and the client certificate `cert` with its `key`
-/// when the server asks for one. The same rules as the bookkeeping pool's driver.
-pub fn postgres_client_config(
+/// The settings a client's TLS files are named by, for the errors that name them.
+pub struct FileSettings {
+    /// The authorities trusted besides the public roots.
+    pub roots: &'static str,
+    /// The client certificate.
+    pub cert: &'static str,
+    /// The client certificate's private key.
+    pub key: &'static str,
+}
+
+/// A PostgreSQL session's TLS files, as libpq names them.
+pub const POSTGRES_FILES: FileSettings = FileSettings {
+    roots: "sslrootcert",
+    cert: "sslcert",
+    key: "sslkey",
+};
+
+/// A rustls client configuration: the authorities of `root_cert` (a PEM file) beside the
+/// Mozilla roots, checked as `verify` says, and the client certificate `cert` with its `key`
+/// when the server asks for one. For a PostgreSQL session the same rules as the bookkeeping
+/// pool's driver; `files` names the settings in errors.
+pub fn client_config(
     verify: Verify,
     root_cert: Option<&Path>,
     client: Option<(&Path, &Path)>,
+    files: &FileSettings,
 ) -> Result<rustls::ClientConfig, TlsFileError> {
     let mut roots =
         rustls::RootCertStore::from_iter(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = root_cert {
         for certificate in
-            CertificateDer::pem_file_iter(path).map_err(file_error("sslrootcert", path))?
+            CertificateDer::pem_file_iter(path).map_err(file_error(files.roots, path))?
         {
-            let certificate = certificate.map_err(file_error("sslrootcert", path))?;
+            let certificate = certificate.map_err(file_error(files.roots, path))?;
             roots
                 .add(certificate)
-                .map_err(file_error("sslrootcert", path))?;
+                .map_err(file_error(files.roots, path))?;
         }
     }
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
@@ -85,10 +105,7 @@ pub fn postgres_client_config(
         Arc::clone(&provider),
     )
     .build()
-    .map_err(file_error(
-        "sslrootcert",
-        root_cert.unwrap_or(Path::new("")),
-    ))?;
+    .map_err(file_error(files.roots, root_cert.unwrap_or(Path::new(""))))?;
     let builder = match verify {
         Verify::Full => builder.with_webpki_verifier(webpki),
         Verify::Authority | Verify::Nothing => builder
@@ -102,13 +119,13 @@ pub fn postgres_client_config(
         None => Ok(builder.with_no_client_auth()),
         Some((cert, key)) => {
             let chain = CertificateDer::pem_file_iter(cert)
-                .map_err(file_error("sslcert", cert))?
+                .map_err(file_error(files.cert, cert))?
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(file_error("sslcert", cert))?;
-            let key_der = PrivateKeyDer::from_pem_file(key).map_err(file_error("sslkey", key))?;
+                .map_err(file_error(files.cert, cert))?;
+            let key_der = PrivateKeyDer::from_pem_file(key).map_err(file_error(files.key, key))?;
             builder
                 .with_client_auth_cert(chain, key_der)
-                .map_err(file_error("sslcert and sslkey", cert))
+                .map_err(file_error(files.cert, cert))
         }
     }
 }

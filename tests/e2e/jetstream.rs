@@ -6,8 +6,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_e2e::jetstream::TestStream;
-use idem_e2e::{TestEnv, order, pipeline_table, plugin_path, spawn_idem, wait_for};
+use idem_e2e::jetstream::{NatsServer, TestStream};
+use idem_e2e::tls::{self, Pki};
+use idem_e2e::{
+    TestEnv, free_port, must_refuse, order, pipeline_table, plugin_path, spawn_idem, wait_for,
+};
 use idem_host::config::Config;
 
 /// The config text of a host serving `plugin` as pipeline `loyalty` from `stream`.
@@ -530,5 +533,111 @@ async fn a_deleted_consumer_is_created_again_and_nothing_doubles() {
     env.assert_loyalty_consistent().await;
     assert!(stream.dead_letters().await.is_empty(), "nothing rejected");
     stream.cleanup().await;
+    env.cleanup().await;
+}
+
+/// A nats-server of the test's own that requires TLS and a client certificate signed by the
+/// test PKI's CA; the PKI and the server's files live in `directory`.
+fn mutual_tls_nats_server(directory: &Path) -> (Pki, NatsServer) {
+    let pki = Pki::new(directory);
+    let config = directory.join("nats.conf");
+    std::fs::write(
+        &config,
+        format!(
+            "tls {{\n  cert_file: \"{}\"\n  key_file: \"{}\"\n  ca_file: \"{}\"\n  verify: true\n  timeout: 2\n}}\n",
+            pki.server_cert.display(),
+            pki.server_key.display(),
+            pki.ca.display()
+        ),
+    )
+    .expect("write nats.conf");
+    let server = NatsServer::start_with(free_port(), directory.join("store"), Some(config));
+    (pki, server)
+}
+
+/// A source's `tls` table trusting `ca`, with the PKI's client certificate when `pki` is given.
+fn tls_keys(ca: &Path, pki: Option<&Pki>) -> String {
+    let client = pki.map_or(String::new(), |pki| {
+        format!(
+            ", cert_file = \"{}\", key_file = \"{}\"",
+            pki.client_cert.display(),
+            pki.client_key.display()
+        )
+    });
+    format!(", tls = {{ ca_file = \"{}\"{client} }}", ca.display())
+}
+
+/// A stream on a nats-server that requires TLS with a client certificate: with the source's
+/// `tls` table (a private CA, a client certificate) `idem check` accepts it and the host
+/// credits every order; a CA that did not sign the server's certificate, or no client
+/// certificate, stops `idem run` and `idem check` within 10 s naming the source's `tls`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_over_mutual_tls_and_its_certificate_faults() {
+    let env = TestEnv::new("js_tls").await;
+    let directory = std::env::temp_dir().join(format!("{}-nats-tls", env.database));
+    let (pki, server) = mutual_tls_nats_server(&directory);
+    let url = format!("tls://127.0.0.1:{}", server.port);
+    let client = async_nats::ConnectOptions::new()
+        .add_root_certificates(pki.ca.clone())
+        .add_client_certificate(pki.client_cert.clone(), pki.client_key.clone())
+        .require_tls(true)
+        .connect(url.as_str())
+        .await
+        .expect("the test's own client over TLS");
+    let stream = TestStream::through(client, &url, &env.queue).await;
+    let config_path = directory.join("pipelines.toml");
+    let write = |source_extra: &str| {
+        let text = config_text(&env, &stream, "loyalty", source_extra, "");
+        std::fs::write(&config_path, &text).expect("write config");
+        text
+    };
+
+    let foreign = tls::self_signed_ca(&directory, "foreign-ca", "idem test foreign CA");
+    for (case, keys) in [
+        ("foreign CA", tls_keys(&foreign, Some(&pki))),
+        ("no client certificate", tls_keys(&pki.ca, None)),
+    ] {
+        write(&keys);
+        for command in ["run", "check"] {
+            let output = must_refuse(command, &config_path);
+            assert!(
+                output.contains("pipelines.loyalty.source.tls"),
+                "{case}: idem {command}: {output}"
+            );
+            eprintln!("{case}: idem {command}: {}", output.trim());
+        }
+    }
+
+    // A credentials file that cannot be read is the operator's to fix, not an outage.
+    let missing = directory.join("missing.creds");
+    write(&format!(
+        "{}, credentials_file = \"{}\"",
+        tls_keys(&pki.ca, Some(&pki)),
+        missing.display()
+    ));
+    let output = must_refuse("run", &config_path);
+    assert!(
+        output.contains("pipelines.loyalty.source.credentials_file"),
+        "{output}"
+    );
+
+    let text = write(&tls_keys(&pki.ca, Some(&pki)));
+    let (ok, output) = idem_command("check", &config_path);
+    assert!(ok, "{output}");
+    let host = env.start_host(parse(&text));
+    for order_id in 1..=100 {
+        stream
+            .publish(&order(order_id, order_id % 7, 1_000), None)
+            .await;
+    }
+    wait_for("100 credits over TLS", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 100
+    })
+    .await;
+    wait_drained(&stream).await;
+    host.stop().await.expect("host stops cleanly");
+    env.assert_loyalty_consistent().await;
+    drop(server);
+    let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;
 }

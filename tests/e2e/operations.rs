@@ -213,7 +213,7 @@ async fn replay_credits_only_what_was_never_applied() {
         .expect("idem replay");
     assert!(output.status.success(), "{output:?}");
     assert!(
-        String::from_utf8_lossy(&output.stdout).contains("replayed 100 messages"),
+        String::from_utf8_lossy(&output.stdout).contains("replayed 100 message(s)"),
         "{output:?}"
     );
     wait_for("100 credits", Duration::from_secs(60), || async {

@@ -1,11 +1,13 @@
-//! Dead-letter triage from the command line: `idem dlq list/show/replay` on a dead-letter
-//! queue holding messages of three error kinds.
+//! Dead-letter triage from the command line: `idem dlq list/show/replay` on the dead letters
+//! of a RabbitMQ queue and of a JetStream stream, holding messages of three error kinds.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use idem_e2e::{TestEnv, idem_binary, wait_for};
+use idem_e2e::jetstream::TestStream;
+use idem_e2e::{TestEnv, idem_binary, plugin_path, wait_for};
+use idem_host::config::Config;
 
 fn idem(config: &Path, args: &[&str]) -> (bool, String) {
     let output = Command::new(idem_binary())
@@ -24,7 +26,7 @@ fn idem(config: &Path, args: &[&str]) -> (bool, String) {
     )
 }
 
-/// The kinds of the dead letters `idem dlq list --json` shows, in queue order.
+/// The kinds of the dead letters `idem dlq list --json` shows, in order.
 fn listed_kinds(config: &Path, filter: &[&str]) -> Vec<String> {
     let mut args = vec!["dlq", "list", "--json"];
     args.extend_from_slice(filter);
@@ -44,19 +46,98 @@ fn listed_kinds(config: &Path, filter: &[&str]) -> Vec<String> {
         .collect()
 }
 
+/// The chaos pipeline `loyalty` with one attempt, on a queue or on a stream, and its config
+/// file for the command line.
+struct Triage {
+    env: TestEnv,
+    stream: Option<TestStream>,
+    config: PathBuf,
+}
+
+impl Triage {
+    async fn on_queue(name: &str) -> Triage {
+        let env = TestEnv::new(name).await;
+        let config = env.write_config("chaos", "max_attempts = 1");
+        Triage {
+            env,
+            stream: None,
+            config,
+        }
+    }
+
+    async fn on_stream(name: &str) -> Triage {
+        let env = TestEnv::new(name).await;
+        let stream = TestStream::new(&env.queue).await;
+        let text = format!(
+            "{}{}",
+            env.config_header(),
+            stream.pipeline_table("loyalty", &plugin_path("chaos"), "", "max_attempts = 1")
+        );
+        let config = std::env::temp_dir().join(format!("{}.toml", env.database));
+        std::fs::write(&config, text).expect("write config");
+        Triage {
+            env,
+            stream: Some(stream),
+            config,
+        }
+    }
+
+    fn host_config(&self) -> Config {
+        Config::load(&self.config).expect("test config is valid")
+    }
+
+    /// Publishes `body`; on a stream with message id `triage-<number>`.
+    async fn publish(&self, number: usize, body: &[u8]) {
+        match &self.stream {
+            Some(stream) => {
+                let id = format!("triage-{number}");
+                stream.publish(body, Some(&id)).await;
+            }
+            None => self.env.publish(body).await,
+        }
+    }
+
+    /// How many dead letters are kept.
+    async fn dead_letters(&self) -> usize {
+        match &self.stream {
+            Some(stream) => stream.dead_letters().await.len(),
+            None => self.env.ready(&self.env.dead_letter_queue).await as usize,
+        }
+    }
+
+    async fn cleanup(self) {
+        let _ = std::fs::remove_file(&self.config);
+        if let Some(stream) = self.stream {
+            stream.cleanup().await;
+        }
+        self.env.cleanup().await;
+    }
+}
+
 /// Seven dead letters of three kinds (invalid-input, plugin-trap, sql): `list` shows each
 /// with its reason and returns them in order; `--kind` filters; `replay --dry-run` moves
 /// nothing; `replay --kind sql` moves only those, which apply once after the cause (a
 /// constraint) is removed, while the others stay in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_letters_are_listed_filtered_and_replayed_by_kind() {
-    let env = TestEnv::new("dlq_triage").await;
+async fn dead_letters_of_a_queue_are_listed_filtered_and_replayed_by_kind() {
+    triage(Triage::on_queue("dlq_triage").await).await;
+}
+
+/// The same triage on a JetStream pipeline's dead-letter stream, which is read without taking
+/// anything; a replayed message keeps its producer's message id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_of_a_stream_are_listed_filtered_and_replayed_by_kind() {
+    triage(Triage::on_stream("js_dlq_triage").await).await;
+}
+
+async fn triage(triage: Triage) {
+    let env = &triage.env;
+    let config = triage.config.clone();
     sqlx::query("ALTER TABLE point_ledger ADD CONSTRAINT small_credits CHECK (points < 100)")
         .execute(&env.pool)
         .await
         .expect("add constraint");
-    let config = env.write_config("chaos", "max_attempts = 1");
-    let host = env.start_host(env.config("chaos", "max_attempts = 1"));
+    let host = env.start_host(triage.host_config());
     let big_credit = |order: i64| {
         format!(
             r#"{{"key": "order:{order}", "effects": [{{"statement": "record_ledger", "params": [1, {order}, 500]}}]}}"#
@@ -71,11 +152,11 @@ async fn dead_letters_are_listed_filtered_and_replayed_by_kind() {
         big_credit(3),
         r#"{"action": "trap"}"#.to_string(),
     ];
-    for body in &bodies {
-        env.publish(body.as_bytes()).await;
+    for (number, body) in bodies.iter().enumerate() {
+        triage.publish(number, body.as_bytes()).await;
     }
     wait_for("seven dead letters", Duration::from_secs(60), || async {
-        env.ready(&env.dead_letter_queue).await == 7
+        triage.dead_letters().await == 7
     })
     .await;
     // The host consumes one by one in order, but dead-letters concurrently: read the order.
@@ -107,7 +188,7 @@ async fn dead_letters_are_listed_filtered_and_replayed_by_kind() {
     }
     assert!(table.contains("nothing was moved"), "{table}");
     // Looking moved nothing and kept the order.
-    assert_eq!(env.ready(&env.dead_letter_queue).await, 7);
+    assert_eq!(triage.dead_letters().await, 7);
     assert_eq!(listed_kinds(&config, &[]), everything);
     assert_eq!(
         listed_kinds(&config, &["--kind", "sql"]),
@@ -133,11 +214,15 @@ async fn dead_letters_are_listed_filtered_and_replayed_by_kind() {
             && detail.contains("\"record_ledger\""),
         "{detail}"
     );
+    if triage.stream.is_some() {
+        // The producer's id, not the one the host gave the dead letter.
+        assert!(detail.contains("message-id   triage-"), "{detail}");
+    }
 
     let (dry, said) = idem(&config, &["dlq", "replay", "--kind", "sql", "--dry-run"]);
     assert!(dry, "{said}");
     assert!(said.contains("would replay 3 message(s)"), "{said}");
-    assert_eq!(env.ready(&env.dead_letter_queue).await, 7);
+    assert_eq!(triage.dead_letters().await, 7);
 
     // The cause is fixed; only the sql dead letters go back, and they apply once.
     sqlx::query("ALTER TABLE point_ledger DROP CONSTRAINT small_credits")
@@ -169,7 +254,14 @@ async fn dead_letters_are_listed_filtered_and_replayed_by_kind() {
     );
     let (_, said) = idem(&config, &["dlq", "replay", "--kind", "sql"]);
     assert!(said.contains("replayed 0 message(s)"), "{said}");
+    if let Some(stream) = &triage.stream {
+        wait_for(
+            "the consumer to hold nothing",
+            Duration::from_secs(30),
+            || async { stream.consumer_counts("idem-loyalty").await == Some((0, 0)) },
+        )
+        .await;
+    }
     host.stop().await.expect("host stops");
-    let _ = std::fs::remove_file(config);
-    env.cleanup().await;
+    triage.cleanup().await;
 }

@@ -2,83 +2,14 @@
 //! port and store), kills it with SIGKILL twice while orders flow and starts it again on the
 //! same store; every order is credited once and the consumer ends with nothing pending.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem_e2e::jetstream::TestStream;
+use idem_e2e::jetstream::{NatsServer, TestStream};
 use idem_e2e::{TestEnv, free_port, order, plugin_path, spawn_idem, wait_for};
 
 use super::{SERIAL, sized, stop};
-
-/// A nats-server of this scenario's own, killed when dropped.
-struct NatsServer {
-    child: Option<Child>,
-    port: u16,
-    store: PathBuf,
-}
-
-impl NatsServer {
-    fn start(port: u16, store: PathBuf) -> NatsServer {
-        let mut server = NatsServer {
-            child: None,
-            port,
-            store,
-        };
-        server.restart();
-        server
-    }
-
-    /// Starts it (again) on the same port and store; waits until it accepts connections.
-    fn restart(&mut self) {
-        let binary = ["/usr/sbin/nats-server", "/usr/bin/nats-server"]
-            .into_iter()
-            .find(|path| std::path::Path::new(path).exists())
-            .expect("nats-server installed (apt install nats-server)");
-        let child = Command::new(binary)
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(&self.store)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start nats-server");
-        self.child = Some(child);
-        for _ in 0..100 {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("nats-server did not listen on {}", self.port);
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.store);
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_server_killed_and_restarted_under_load() {

@@ -1,7 +1,8 @@
 //! A test's own JetStream stream on the machine's nats-server (`scripts/services.sh` starts it
 //! with JetStream): created as infrastructure code would, published to, inspected, deleted.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -34,10 +35,16 @@ impl TestStream {
 
     /// [`TestStream::new`] on the nats-server at `url`.
     pub async fn on(url: &str, queue: &str) -> TestStream {
-        let name = queue.replace('.', "_");
         let client = async_nats::connect(url)
             .await
             .expect("nats-server with JetStream reachable (scripts/services.sh starts it)");
+        TestStream::through(client, url, queue).await
+    }
+
+    /// [`TestStream::new`] through `client`, connected to the nats-server at `url` (the
+    /// pipelines' `servers`).
+    pub async fn through(client: async_nats::Client, url: &str, queue: &str) -> TestStream {
+        let name = queue.replace('.', "_");
         let context = jetstream::new(client);
         context
             .create_stream(stream::Config {
@@ -164,5 +171,85 @@ source = {{ kind = "jetstream", servers = ["{url}"], stream = "{stream}", subjec
     pub async fn cleanup(self) {
         let _ = self.context.delete_stream(&self.name).await;
         let _ = self.context.delete_stream(&self.dead_letter_stream).await;
+    }
+}
+
+/// A nats-server of a test's own (JetStream on, its own port and store), killed when dropped.
+pub struct NatsServer {
+    child: Option<Child>,
+    pub port: u16,
+    store: PathBuf,
+    /// A configuration file it reads (`-c`), e.g. with a `tls` block.
+    config: Option<PathBuf>,
+}
+
+impl NatsServer {
+    pub fn start(port: u16, store: PathBuf) -> NatsServer {
+        NatsServer::start_with(port, store, None)
+    }
+
+    /// Starts it with the configuration file `config` besides the command line's settings.
+    pub fn start_with(port: u16, store: PathBuf, config: Option<PathBuf>) -> NatsServer {
+        let mut server = NatsServer {
+            child: None,
+            port,
+            store,
+            config,
+        };
+        server.restart();
+        server
+    }
+
+    /// Starts it (again) on the same port and store; waits until it accepts connections.
+    pub fn restart(&mut self) {
+        let binary = ["/usr/sbin/nats-server", "/usr/bin/nats-server"]
+            .into_iter()
+            .find(|path| std::path::Path::new(path).exists())
+            .expect("nats-server installed (apt install nats-server)");
+        let child = Command::new(binary)
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(&self.store)
+            .args(
+                self.config
+                    .iter()
+                    .flat_map(|config| [std::ffi::OsStr::new("-c"), config.as_os_str()]),
+            )
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nats-server");
+        self.child = Some(child);
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("nats-server did not listen on {}", self.port);
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.store);
     }
 }

@@ -8,6 +8,7 @@
 //! transaction committed; a copy to a dead-letter or retry destination is confirmed by the
 //! broker before the original is acknowledged.
 
+pub mod dead_letters;
 pub mod jetstream;
 pub mod rabbitmq;
 
@@ -22,6 +23,8 @@ use crate::message::InboundMessage;
 use self::jetstream::JetStreamError;
 use self::rabbitmq::AmqpError;
 
+/// The prefix of the headers the host writes on the messages it sets aside.
+pub const HOST_HEADER_PREFIX: &str = "x-idem-";
 /// The header a dead letter carries its reason in, on every source.
 pub const REASON_HEADER: &str = "x-idem-reason";
 /// The header carrying the class of the failure (`invalid-input`, `plugin-trap`, `sql`, …).

@@ -204,12 +204,13 @@ fn sessions(
     session.ssl_mode(wire);
     let root_cert = file("sslrootcert");
     let client_cert = file("sslcert").zip(file("sslkey"));
-    let tls = crate::tls::postgres_client_config(
+    let tls = crate::tls::client_config(
         verify,
         root_cert.as_deref(),
         client_cert
             .as_ref()
             .map(|(cert, key)| (cert.as_path(), key.as_path())),
+        &crate::tls::POSTGRES_FILES,
     )
     .map_err(|error| DatabaseError::Refused {
         endpoint: redact_url(&config.url),

@@ -8,7 +8,7 @@ use anyhow::Context;
 use serde_json::json;
 
 use idem_host::config::{Config, PipelineConfig};
-use idem_host::source::rabbitmq::dead_letters::{self, Action, DeadLetter, Selection};
+use idem_host::source::dead_letters::{self, Action, DeadLetter, Selection};
 use idem_host::store::{database, outbox};
 
 /// Longest body preview in `idem dlq list`, in characters.

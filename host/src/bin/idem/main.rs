@@ -82,7 +82,7 @@ enum Command {
         #[command(subcommand)]
         command: OutboxArgs,
     },
-    /// Move dead-lettered messages back to their pipeline's queue, oldest first (safe: claims
+    /// Move dead-lettered messages back to their pipeline's queue or stream, oldest first (safe: claims
     /// dedup them). `idem dlq replay` does the same by selection.
     Replay {
         #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
@@ -200,8 +200,8 @@ struct DlqFilter {
 }
 
 impl DlqFilter {
-    fn selection(self) -> idem_host::source::rabbitmq::dead_letters::Selection {
-        idem_host::source::rabbitmq::dead_letters::Selection {
+    fn selection(self) -> idem_host::source::dead_letters::Selection {
+        idem_host::source::dead_letters::Selection {
             kind: self.kind,
             reason: self.reason,
             since: self.since,
@@ -404,28 +404,12 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             pipeline,
             limit,
         } => {
-            let config = Config::load(&config)?;
-            let pipeline_config = config.pipeline(&pipeline).with_context(|| {
-                format!("no pipeline {pipeline:?} in {}", config.path.display())
-            })?;
-            let selection = idem_host::source::rabbitmq::dead_letters::Selection {
+            let selection = idem_host::source::dead_letters::Selection {
                 limit,
                 ..Default::default()
             };
-            let moved = idem_host::source::rabbitmq::dead_letters::pass(
-                config.amqp.as_ref(),
-                pipeline_config,
-                &selection,
-                idem_host::source::rabbitmq::dead_letters::Action::Replay,
-                |_| {},
-            )
-            .await?;
-            println!(
-                "replayed {moved} messages from {:?} to {:?}",
-                pipeline_config.dead_letter(),
-                pipeline_config.queue()
-            );
-            Ok(ExitCode::SUCCESS)
+            let replay = dlq::DlqCommand::Replay { dry_run: false };
+            dlq::dlq(&config, &pipeline, selection, replay).await
         }
         Command::Status { config } => check::status(&config).await,
         Command::Dlq { command } => {

@@ -9,7 +9,7 @@ use lapin::types::LongString;
 use lapin::{Connection, ConnectionProperties};
 
 use super::AmqpError;
-use crate::config::{AmqpConfig, AmqpTls, redact_url};
+use crate::config::{AmqpConfig, ClientTls, redact_url};
 use crate::tls;
 
 /// How long opening a connection (TCP, TLS, AMQP handshake) may take before it counts as a
@@ -58,7 +58,7 @@ pub async fn connect(config: &AmqpConfig, name: String) -> Result<Connection, Am
 }
 
 /// Reads the PEM files of `[amqp.tls]`.
-fn tls_config(tls: Option<&AmqpTls>) -> Result<OwnedTLSConfig, String> {
+fn tls_config(tls: Option<&ClientTls>) -> Result<OwnedTLSConfig, String> {
     let Some(tls) = tls else {
         return Ok(OwnedTLSConfig::default());
     };

@@ -1,5 +1,4 @@
-//! A pipeline's dead-letter queue as an operator sees it: listed, shown, and replayed by
-//! selection (`idem dlq list/show/replay`).
+//! A RabbitMQ pipeline's dead-letter queue, read for [`source::dead_letters`](super::super::dead_letters).
 //!
 //! AMQP 0-9-1 has no way to read a queue without taking its messages, so a pass takes every
 //! message that was waiting when it began (`basic.get`, unacked), and at the end returns the
@@ -7,75 +6,12 @@
 //! messages. A replayed message is published to the pipeline's queue, confirmed by the
 //! broker, and only then acked out of the dead-letter queue.
 
-use std::time::{Duration, SystemTime};
-
 use lapin::options::{BasicGetOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
-use super::{
-    AmqpError, Copy, ERROR_KIND_HEADER, REASON_HEADER, REJECTED_AT_HEADER, Receipt,
-    connect_channel, header_integer, header_text, inbound_message, topology,
-};
+use super::{AmqpError, Copy, Receipt, connect_channel, inbound_message, topology};
 use crate::config::{AmqpConfig, PipelineConfig};
-use crate::message::InboundMessage;
-
-/// How many times a message has been replayed out of a dead-letter queue.
-pub const REPLAYS_HEADER: &str = "x-idem-replays";
-
-/// Which dead letters a command acts on; every given filter must match.
-#[derive(Debug, Clone, Default)]
-pub struct Selection {
-    /// The error kind (`x-idem-error-kind`), exactly.
-    pub kind: Option<String>,
-    /// A fragment of the reason (`x-idem-reason`).
-    pub reason: Option<String>,
-    /// Dead-lettered at most this long ago.
-    pub since: Option<Duration>,
-    /// Act on at most this many matching messages.
-    pub limit: Option<u64>,
-}
-
-/// One dead letter as it sits in the queue.
-#[derive(Debug, Clone)]
-pub struct DeadLetter {
-    /// 1 for the oldest message in the queue when the pass began.
-    pub position: u64,
-    /// The delivery as the plugin saw it, with every header (the `x-idem-*` ones included).
-    pub message: InboundMessage,
-    /// The error kind the host recorded, e.g. `invalid-input` or `retries-exhausted`.
-    pub kind: Option<String>,
-    pub reason: Option<String>,
-    /// How long ago it was dead-lettered, when the host recorded it.
-    pub age: Option<Duration>,
-    /// How many times it was replayed before.
-    pub replays: u64,
-}
-
-impl Selection {
-    fn matches(&self, letter: &DeadLetter) -> bool {
-        self.kind
-            .as_ref()
-            .is_none_or(|kind| letter.kind.as_deref() == Some(kind.as_str()))
-            && self.reason.as_ref().is_none_or(|fragment| {
-                letter
-                    .reason
-                    .as_deref()
-                    .is_some_and(|reason| reason.contains(fragment.as_str()))
-            })
-            && self
-                .since
-                .is_none_or(|since| letter.age.is_some_and(|age| age <= since))
-    }
-}
-
-/// What a pass does with each selected message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
-    /// Look only: every message goes back where it was.
-    Look,
-    /// Move the selected messages to the pipeline's queue.
-    Replay,
-}
+use crate::source::dead_letters::{self, Action, DeadLetter, REPLAYS_HEADER, Selection};
 
 /// Goes once through the messages waiting in `pipeline`'s dead-letter queue, calls `seen`
 /// with each selected one (in queue order), replays it if `action` says so, and returns the
@@ -115,7 +51,7 @@ pub async fn pass(
     let mut selected = 0;
     let mut outcome = Ok(());
     for position in 1..=u64::from(waiting) {
-        if selection.limit.is_some_and(|limit| selected >= limit) {
+        if selection.is_full(selected) {
             break;
         }
         let got = match channel
@@ -137,7 +73,11 @@ pub async fn pass(
             }
         };
         let delivery = got.delivery;
-        let letter = describe(pipeline, position, &delivery);
+        // The message as the pipeline's plugin saw it: from the pipeline's queue.
+        let letter = DeadLetter::recorded(
+            position,
+            inbound_message(&pipeline.name, pipeline.queue(), false, &delivery),
+        );
         let receipt = Receipt::of(delivery, &acks, 1);
         if !selection.matches(&letter) {
             kept.push(receipt);
@@ -185,7 +125,7 @@ fn replay_headers(receipt: &Receipt, replays: u64) -> FieldTable {
             table
                 .inner()
                 .iter()
-                .filter(|(name, _)| !name.as_str().starts_with("x-idem-"))
+                .filter(|(name, _)| !dead_letters::is_diagnostic(name.as_str()))
                 .map(|(name, value)| (name.clone(), value.clone()))
                 .collect::<std::collections::BTreeMap<_, _>>()
                 .into()
@@ -196,38 +136,4 @@ fn replay_headers(receipt: &Receipt, replays: u64) -> FieldTable {
         AMQPValue::LongLongInt(i64::try_from(replays).unwrap_or(i64::MAX)),
     );
     headers
-}
-
-fn describe(
-    pipeline: &PipelineConfig,
-    position: u64,
-    delivery: &lapin::message::Delivery,
-) -> DeadLetter {
-    let properties = &delivery.properties;
-    let header = |name: &str| {
-        properties
-            .headers()
-            .as_ref()
-            .and_then(|table| table.inner().get(name).map(header_text))
-    };
-    let age = header_integer(properties, REJECTED_AT_HEADER)
-        .and_then(|seconds| u64::try_from(seconds).ok())
-        .map(|seconds| {
-            let rejected = SystemTime::UNIX_EPOCH + Duration::from_secs(seconds);
-            SystemTime::now()
-                .duration_since(rejected)
-                .unwrap_or_default()
-        });
-    // The message as the pipeline's plugin saw it: from the pipeline's queue.
-    let message = inbound_message(&pipeline.name, pipeline.queue(), false, delivery);
-    DeadLetter {
-        position,
-        message,
-        kind: header(ERROR_KIND_HEADER),
-        reason: header(REASON_HEADER),
-        age,
-        replays: header_integer(properties, REPLAYS_HEADER)
-            .and_then(|replays| u64::try_from(replays).ok())
-            .unwrap_or(0),
-    }
 }

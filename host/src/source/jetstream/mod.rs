@@ -20,15 +20,26 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+pub mod dead_letters;
+
 use crate::config::{JetStreamSource, PipelineConfig, SourceConfig};
 use crate::message::InboundMessage;
 use crate::source::{
     self, Delivery, ERROR_KIND_HEADER, REASON_HEADER, REJECTED_AT_HEADER, Source, SourceError,
     unix_seconds,
 };
+use crate::tls;
 
 /// The source kind a plugin sees in `message.source`.
 pub const KIND: &str = SourceConfig::JETSTREAM;
+
+/// The header keeping the subject a dead letter was consumed from.
+const SUBJECT_HEADER: &str = "x-idem-subject";
+/// The header keeping the producer's message id (`Nats-Msg-Id`) of a dead letter or a replayed
+/// message, whose own `Nats-Msg-Id` is the host's.
+const MESSAGE_ID_HEADER: &str = "x-idem-message-id";
+/// The header keeping the stream sequence a dead letter had on the pipeline's stream.
+const STREAM_SEQUENCE_HEADER: &str = "x-idem-stream-sequence";
 
 /// How long the server may take to answer a request (an ack, a publish, consumer info).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -73,11 +84,19 @@ pub fn settings(pipeline: &PipelineConfig) -> Option<&JetStreamSource> {
     }
 }
 
-/// Connects to `source`'s servers, with its credentials, named for `purpose`.
+/// The settings a JetStream source's TLS files are named by.
+const TLS_FILES: tls::FileSettings = tls::FileSettings {
+    roots: "tls.ca_file",
+    cert: "tls.cert_file",
+    key: "tls.key_file",
+};
+
+/// Connects to `source`'s servers, with its credentials and TLS settings, named for `purpose`.
 pub async fn connect(
     source: &JetStreamSource,
     purpose: String,
 ) -> Result<async_nats::Client, JetStreamError> {
+    let table = &source.table;
     let mut options = ConnectOptions::new()
         .name(purpose)
         .connection_timeout(REQUEST_TIMEOUT)
@@ -88,31 +107,74 @@ pub async fn connect(
     if let Some(token) = &source.token {
         options = options.token(token.clone());
     }
+    if let Some(path) = &source.credentials_file {
+        options =
+            options
+                .credentials_file(path)
+                .await
+                .map_err(|error| JetStreamError::Refused {
+                    subject: format!("{table}.credentials_file {}", path.display()),
+                    reason: error.to_string(),
+                    setting: format!(
+                        "{table}.credentials_file: a NATS .creds file (user JWT and NKey seed)"
+                    ),
+                })?;
+    }
+    if let Some(settings) = &source.tls {
+        let client = settings
+            .cert_file
+            .as_deref()
+            .zip(settings.key_file.as_deref());
+        let config = tls::client_config(
+            tls::Verify::Full,
+            settings.ca_file.as_deref(),
+            client,
+            &TLS_FILES,
+        )
+        .map_err(|error| JetStreamError::Refused {
+            subject: format!("{table}.tls"),
+            reason: error.to_string(),
+            setting: format!("{table}.tls: ca_file, cert_file and key_file"),
+        })?;
+        options = options.require_tls(true).tls_client_config(config);
+    }
     let servers = source.servers.join(", ");
+    let refused = |error: &async_nats::ConnectError, setting: String| JetStreamError::Refused {
+        subject: format!("the connection to {servers}"),
+        reason: error.to_string(),
+        setting,
+    };
     options
         .connect(source.servers.clone())
         .await
         .map_err(|error| match error.kind() {
-            ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Authentication => {
-                JetStreamError::Refused {
-                    subject: format!("the connection to {servers}"),
-                    reason: error.to_string(),
-                    setting: format!("{}.user, password or token", source.table),
-                }
-            }
-            ConnectErrorKind::ServerParse | ConnectErrorKind::Tls => JetStreamError::Refused {
-                subject: format!("the connection to {servers}"),
-                reason: error.to_string(),
-                setting: format!(
-                    "{}.servers: nats://host:port URLs of servers this host can speak to",
-                    source.table
+            ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Authentication => refused(
+                &error,
+                format!("{table}.user and password, token or credentials_file"),
+            ),
+            ConnectErrorKind::ServerParse => refused(
+                &error,
+                format!(
+                    "{table}.servers: nats:// or tls:// URLs of servers this host can speak to"
                 ),
-            },
+            ),
+            // The handshake's verdict (an untrusted or mismatched certificate, a client
+            // certificate the server wants) arrives as a TLS error or as an I/O error carrying
+            // one: a configuration fault. An I/O error without one is a network failure.
+            ConnectErrorKind::Tls => refused(&error, tls_setting(table)),
+            _ if tls::chain_carries_tls_error(&error) => refused(&error, tls_setting(table)),
             _ => JetStreamError::Connect {
                 servers: servers.clone(),
                 reason: error.to_string(),
             },
         })
+}
+
+/// The settings a failed TLS handshake names.
+fn tls_setting(table: &str) -> String {
+    format!(
+        "{table}.tls and the host names in {table}.servers: the server's certificate must be signed by an authority trusted here (ca_file) and name the host; a server that asks for a client certificate needs cert_file and key_file it trusts"
+    )
 }
 
 /// One pipeline's consumer on its stream.
@@ -549,11 +611,7 @@ impl Session {
             .as_ref()
             .map(header_pairs)
             .unwrap_or_default();
-        let message_id = original
-            .headers
-            .as_ref()
-            .and_then(|headers| headers.get(async_nats::header::NATS_MESSAGE_ID))
-            .map(|value| value.as_str().to_string());
+        let message_id = original.headers.as_ref().and_then(producer_message_id);
         let message = InboundMessage {
             pipeline: self.route.pipeline.clone(),
             source: KIND.to_string(),
@@ -586,6 +644,35 @@ impl Session {
             _progress: progress,
         })
     }
+}
+
+/// The producer's message id: kept in `x-idem-message-id` on a replayed message (whose
+/// `Nats-Msg-Id` is the host's), else its `Nats-Msg-Id`.
+fn producer_message_id(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get(MESSAGE_ID_HEADER)
+        .or_else(|| headers.get(async_nats::header::NATS_MESSAGE_ID))
+        .map(|value| value.as_str().to_string())
+}
+
+/// `headers` without the server's directives (`Nats-Msg-Id`, `Nats-Expected-Stream`, …,
+/// which would make the server drop or refuse a copy published elsewhere) and, unless
+/// `diagnostics`, without the host's `x-idem-*` ones.
+fn copied_headers(headers: Option<&HeaderMap>, diagnostics: bool) -> HeaderMap {
+    let mut copy = HeaderMap::new();
+    for (name, values) in headers.into_iter().flat_map(HeaderMap::iter) {
+        let name = name.to_string();
+        let directive = name
+            .get(..5)
+            .is_some_and(|prefix| prefix.eq_ignore_ascii_case("nats-"));
+        if directive || (!diagnostics && source::dead_letters::is_diagnostic(&name)) {
+            continue;
+        }
+        for value in values {
+            copy.append(name.as_str(), value.as_str());
+        }
+    }
+    copy
 }
 
 /// Header pairs in the order of their names; a name with several values gives several pairs.
@@ -634,21 +721,21 @@ impl Delivery for Received {
 
     async fn dead_letter(&self, error_kind: &'static str, reason: &str) -> bool {
         let route = &self.route;
-        let mut headers = self.original.headers.clone().unwrap_or_default();
+        let mut headers = copied_headers(self.original.headers.as_ref(), true);
         headers.insert(REASON_HEADER, source::reason_text(reason).as_str());
         headers.insert(ERROR_KIND_HEADER, error_kind);
         headers.insert("x-idem-pipeline", route.pipeline.as_str());
         headers.insert("x-idem-queue", route.source.stream.as_str());
-        headers.insert("x-idem-subject", self.message.subject.as_str());
+        headers.insert(SUBJECT_HEADER, self.message.subject.as_str());
         headers.insert(
-            "x-idem-stream-sequence",
+            STREAM_SEQUENCE_HEADER,
             self.stream_sequence.to_string().as_str(),
         );
         headers.insert(REJECTED_AT_HEADER, unix_seconds().to_string().as_str());
         // The server drops a second copy with the same id, so a dead letter published again
         // after a lost confirmation is stored once; the producer's id stays beside it.
         if let Some(id) = &self.message.message_id {
-            headers.insert("x-idem-message-id", id.as_str());
+            headers.insert(MESSAGE_ID_HEADER, id.as_str());
         }
         headers.insert(
             async_nats::header::NATS_MESSAGE_ID,

@@ -1,0 +1,141 @@
+//! A pipeline's dead letters as an operator sees them, on either source: listed, shown, and
+//! replayed by selection (`idem dlq list/show/replay`, `idem replay`).
+//!
+//! Each source keeps its dead letters its own way (a RabbitMQ queue, a JetStream stream) and
+//! reads them in [`rabbitmq::dead_letters`] and [`jetstream::dead_letters`]; what a dead letter
+//! is, which ones a command selects and what a pass does with them is decided here, once.
+//!
+//! Architecture invariant: a pass never loses a dead letter. Looking leaves every message where
+//! it was, in its order; a replayed message is stored on the pipeline's queue or stream (the
+//! broker confirmed it) before it is removed from the dead letters, so a failure between the
+//! two replays it twice at worst, and the claim makes the second copy a duplicate.
+
+use std::time::{Duration, SystemTime};
+
+use super::{
+    ERROR_KIND_HEADER, HOST_HEADER_PREFIX, REASON_HEADER, REJECTED_AT_HEADER, SourceError,
+};
+use super::{jetstream, rabbitmq};
+use crate::config::{AmqpConfig, PipelineConfig, SourceConfig};
+use crate::message::InboundMessage;
+
+/// How many times a message has been replayed out of the dead letters.
+pub const REPLAYS_HEADER: &str = "x-idem-replays";
+
+/// Whether header `name` is one of the host's diagnostics of the last failure (`x-idem-*`),
+/// which a replay leaves out.
+pub(super) fn is_diagnostic(name: &str) -> bool {
+    name.get(..HOST_HEADER_PREFIX.len())
+        .is_some_and(|prefix| prefix.eq_ignore_ascii_case(HOST_HEADER_PREFIX))
+}
+
+/// Which dead letters a command acts on; every given filter must match.
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    /// The error kind (`x-idem-error-kind`), exactly.
+    pub kind: Option<String>,
+    /// A fragment of the reason (`x-idem-reason`).
+    pub reason: Option<String>,
+    /// Dead-lettered at most this long ago.
+    pub since: Option<Duration>,
+    /// Act on at most this many matching messages.
+    pub limit: Option<u64>,
+}
+
+/// One dead letter as it is kept.
+#[derive(Debug, Clone)]
+pub struct DeadLetter {
+    /// 1 for the pipeline's oldest dead letter when the pass began.
+    pub position: u64,
+    /// The delivery as the plugin saw it, with every header (the `x-idem-*` ones included).
+    pub message: InboundMessage,
+    /// The error kind the host recorded, e.g. `invalid-input` or `retries-exhausted`.
+    pub kind: Option<String>,
+    pub reason: Option<String>,
+    /// How long ago it was dead-lettered, when the host recorded it.
+    pub age: Option<Duration>,
+    /// How many times it was replayed before.
+    pub replays: u64,
+}
+
+impl DeadLetter {
+    /// The dead letter at `position` holding `message`, with what the host recorded in its
+    /// headers when it dead-lettered it.
+    pub(super) fn recorded(position: u64, message: InboundMessage) -> DeadLetter {
+        let header = |name: &str| {
+            message
+                .headers
+                .iter()
+                .find(|(key, _)| key.eq_ignore_ascii_case(name))
+                .map(|(_, value)| value.clone())
+        };
+        let number = |name: &str| header(name).and_then(|text| text.trim().parse::<u64>().ok());
+        let age = number(REJECTED_AT_HEADER).map(|seconds| {
+            let rejected = SystemTime::UNIX_EPOCH + Duration::from_secs(seconds);
+            SystemTime::now()
+                .duration_since(rejected)
+                .unwrap_or_default()
+        });
+        DeadLetter {
+            position,
+            kind: header(ERROR_KIND_HEADER),
+            reason: header(REASON_HEADER),
+            age,
+            replays: number(REPLAYS_HEADER).unwrap_or(0),
+            message,
+        }
+    }
+}
+
+impl Selection {
+    pub(super) fn matches(&self, letter: &DeadLetter) -> bool {
+        self.kind
+            .as_ref()
+            .is_none_or(|kind| letter.kind.as_deref() == Some(kind.as_str()))
+            && self.reason.as_ref().is_none_or(|fragment| {
+                letter
+                    .reason
+                    .as_deref()
+                    .is_some_and(|reason| reason.contains(fragment.as_str()))
+            })
+            && self
+                .since
+                .is_none_or(|since| letter.age.is_some_and(|age| age <= since))
+    }
+
+    /// Whether `selected` messages are as many as the command asked for.
+    pub(super) fn is_full(&self, selected: u64) -> bool {
+        self.limit.is_some_and(|limit| selected >= limit)
+    }
+}
+
+/// What a pass does with each selected message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Look only: every message stays where it was.
+    Look,
+    /// Move the selected messages back to the pipeline's queue or stream, headers as they
+    /// came from the producer (without the host's `x-idem-*` diagnostics) and the replay
+    /// counted in `x-idem-replays`: retries start over in the pipeline.
+    Replay,
+}
+
+/// Goes once through the dead letters `pipeline` kept when the pass began, oldest first,
+/// calls `seen` with each selected one, and replays it if `action` says so. Returns how many
+/// were selected. `amqp` is the broker of RabbitMQ pipelines.
+pub async fn pass(
+    amqp: Option<&AmqpConfig>,
+    pipeline: &PipelineConfig,
+    selection: &Selection,
+    action: Action,
+    seen: impl FnMut(&DeadLetter),
+) -> Result<u64, SourceError> {
+    match &pipeline.source {
+        SourceConfig::RabbitMq(_) => {
+            Ok(rabbitmq::dead_letters::pass(amqp, pipeline, selection, action, seen).await?)
+        }
+        SourceConfig::JetStream(source) => {
+            Ok(jetstream::dead_letters::pass(source, pipeline, selection, action, seen).await?)
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! A JetStream pipeline's dead letters, read for
+//! [`source::dead_letters`](crate::source::dead_letters): the messages on its dead-letter
+//! subject in the dead-letter stream.
+//!
+//! A stream is read without taking anything, so looking moves nothing: each dead letter is
+//! fetched by sequence (the next one on the pipeline's dead-letter subject). A replayed message
+//! is published to the subject it was consumed from, stored on the pipeline's stream (the
+//! server confirmed it), and only then deleted from the dead-letter stream.
+
+use async_nats::jetstream::message::StreamMessage;
+use async_nats::jetstream::stream::RawMessageErrorKind;
+use async_nats::jetstream::{self, stream};
+
+use super::{
+    JetStreamError, KIND, MESSAGE_ID_HEADER, STREAM_SEQUENCE_HEADER, SUBJECT_HEADER, connect,
+    copied_headers, find_stream, header_pairs, request_error,
+};
+use crate::config::{JetStreamSource, PipelineConfig, subject_matches};
+use crate::message::InboundMessage;
+use crate::source::dead_letters::{Action, DeadLetter, REPLAYS_HEADER, Selection};
+
+/// Goes once through the dead letters on `source`'s dead-letter subject that were stored when
+/// the pass began, oldest first, calls `seen` with each selected one and replays it if
+/// `action` says so. Returns how many were selected.
+pub async fn pass(
+    source: &JetStreamSource,
+    pipeline: &PipelineConfig,
+    selection: &Selection,
+    action: Action,
+    mut seen: impl FnMut(&DeadLetter),
+) -> Result<u64, JetStreamError> {
+    let client = connect(source, format!("idem dlq {}", pipeline.name)).await?;
+    let context = jetstream::new(client);
+    let Some(stream) = find_stream(&context, &source.dead_letter_stream).await? else {
+        // `idem run` creates it; nothing was dead-lettered yet.
+        return Ok(0);
+    };
+    // Only what is there now: a message dead-lettered again while this runs is not met twice.
+    let last = stream.cached_info().state.last_sequence;
+    let mut position = 0;
+    let mut selected = 0;
+    let mut next = 1;
+    while next <= last && !selection.is_full(selected) {
+        let stored = match stream
+            .get_first_raw_message_by_subject(&source.dead_letter_subject, next)
+            .await
+        {
+            Ok(stored) if stored.sequence <= last => stored,
+            Ok(_) => break,
+            Err(error) if matches!(error.kind(), RawMessageErrorKind::NoMessageFound) => break,
+            Err(error) => {
+                return Err(request_error(
+                    "read from",
+                    &source.dead_letter_stream,
+                    error,
+                ));
+            }
+        };
+        next = stored.sequence + 1;
+        position += 1;
+        let letter = DeadLetter::recorded(position, message(source, pipeline, &stored));
+        if !selection.matches(&letter) {
+            continue;
+        }
+        selected += 1;
+        seen(&letter);
+        if action == Action::Replay {
+            replay(&context, &stream, source, &stored, letter.replays + 1).await?;
+        }
+    }
+    Ok(selected)
+}
+
+/// The dead letter as the pipeline's plugin saw it: from the pipeline's stream, on the subject
+/// it was consumed from, with the producer's message id.
+fn message(
+    source: &JetStreamSource,
+    pipeline: &PipelineConfig,
+    stored: &StreamMessage,
+) -> InboundMessage {
+    let header = |name: &str| {
+        stored
+            .headers
+            .get(name)
+            .map(|value| value.as_str().to_string())
+    };
+    InboundMessage {
+        pipeline: pipeline.name.clone(),
+        source: KIND.to_string(),
+        queue: source.stream.clone(),
+        subject: header(SUBJECT_HEADER).unwrap_or_else(|| stored.subject.to_string()),
+        body: stored.payload.to_vec(),
+        headers: header_pairs(&stored.headers),
+        message_id: header(MESSAGE_ID_HEADER),
+        redelivered: false,
+        delivery_count: None,
+        attributes: header(STREAM_SEQUENCE_HEADER)
+            .map(|sequence| vec![("stream-sequence".to_string(), sequence)])
+            .unwrap_or_default(),
+    }
+}
+
+/// Publishes dead letter `stored` to the subject it was consumed from, waits until the server
+/// stored it on the pipeline's stream, then deletes it from the dead-letter stream.
+async fn replay(
+    context: &jetstream::Context,
+    dead_letters: &stream::Stream,
+    source: &JetStreamSource,
+    stored: &StreamMessage,
+    replays: u64,
+) -> Result<(), JetStreamError> {
+    let refused = |reason: String| JetStreamError::Request {
+        action: "replay",
+        name: format!("{} sequence {}", source.dead_letter_stream, stored.sequence),
+        reason,
+    };
+    let Some(subject) = stored
+        .headers
+        .get(SUBJECT_HEADER)
+        .map(|value| value.as_str())
+    else {
+        return Err(refused(format!(
+            "it has no {SUBJECT_HEADER} header (idem did not dead-letter it), so the subject it came from is unknown"
+        )));
+    };
+    // Without a filter the consumer takes whatever the stream stores (checked below).
+    if let Some(filter) = source
+        .subject
+        .as_deref()
+        .filter(|filter| !subject_matches(filter, subject))
+    {
+        return Err(refused(format!(
+            "its subject {subject:?} is outside {}.subject {filter:?}, so the pipeline would never consume it",
+            source.table
+        )));
+    }
+    let mut headers = copied_headers(Some(&stored.headers), false);
+    if let Some(id) = stored.headers.get(MESSAGE_ID_HEADER) {
+        headers.insert(MESSAGE_ID_HEADER, id.as_str());
+    }
+    headers.insert(REPLAYS_HEADER, replays.to_string().as_str());
+    // Published again after a lost confirmation, it is stored once.
+    headers.insert(
+        async_nats::header::NATS_MESSAGE_ID,
+        format!(
+            "idem-replay:{}:{}",
+            source.dead_letter_stream, stored.sequence
+        )
+        .as_str(),
+    );
+    let confirmed = async {
+        context
+            .publish_with_headers(subject.to_string(), headers, stored.payload.clone())
+            .await?
+            .await
+    };
+    let confirmation = confirmed
+        .await
+        .map_err(|error| refused(format!("the server did not store the copy: {error}")))?;
+    if confirmation.stream != source.stream {
+        return Err(refused(format!(
+            "the server stored the copy on stream {:?}, not on {}.stream {:?}: another stream captures {subject:?}",
+            confirmation.stream, source.table, source.stream
+        )));
+    }
+    match dead_letters.delete_message(stored.sequence).await {
+        Ok(_) => Ok(()),
+        Err(error) => Err(refused(format!(
+            "the copy is on {:?} but the dead letter could not be deleted ({error}); it may be replayed twice (harmless: the claim dedups)",
+            source.stream
+        ))),
+    }
+}
