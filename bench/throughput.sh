@@ -2,21 +2,25 @@
 # Throughput of `idem run` beside its two baselines, on the same data, in one run:
 #
 #   - idem: the loyalty pipeline (claim = "ledger") at each worker count and batch size, with
-#     each plugin build in PLUGIN (Rust, Python, JavaScript);
+#     each plugin build in PLUGIN (Rust, Python, JavaScript), from each source in SOURCE
+#     (a RabbitMQ queue, a NATS JetStream stream);
 #   - raw: the broker's own rate, a consumer that only acks the same messages at the same
-#     prefetch (bench/src/bin/raw-consume.rs);
+#     prefetch (bench/src/bin/raw-consume.rs), for each source;
 #   - pgbench: the same claim + credit + ledger transaction, one message per transaction, at
 #     the same number of connections (the database's own limit; bench/pgbench/message.sql);
 #   - reference: the guide's Python consumer (psycopg + pika, one transaction per message,
 #     ack after commit; bench/reference/consumer.py) at the same worker counts.
 #
-# Every run starts from a fresh `idem_bench` database and empty `bench-orders` queues, gets
+# Every run starts from a fresh `idem_bench` database and an empty `bench-orders` queue (or
+# `bench_orders` stream, deleted and created again with its dead letters), gets
 # ORDERS orders plus ORDERS*DUPLICATES redeliveries (published before the clock starts), is
 # timed until every message is settled, and is then verified: one ledger row and one claim
-# per order, balances equal to the ledger sums, nothing left in the queue. The report (also
+# per order, balances equal to the ledger sums, nothing left in the queue or unacknowledged
+# on the stream, nothing dead-lettered. The report (also
 # written to bench/results/latest.txt) gives messages/second, p50/p99 latency, outcomes, peak
 # RSS and the ratios idem/pgbench, idem/reference and idem/raw for batch size 1 and the best
-# batch size, and each Python or JavaScript build against the Rust one. CLAIMS_PREFILL=N runs
+# batch size, each Python or JavaScript build against the Rust one, and JetStream against
+# RabbitMQ at the same workers and batch size. CLAIMS_PREFILL=N runs
 # everything against a claim table already holding N old claims.
 # Exits non-zero if any run fails its verification. See bench/README.md.
 set -euo pipefail
@@ -31,7 +35,8 @@ WORKERS="${WORKERS:-1 4}"                 # idem workers = reference processes =
 BATCH_SIZES="${BATCH_SIZES:-1 16 64 256}" # idem batch sizes tried; best = fastest per worker count
 BATCH_LINGER="${BATCH_LINGER:-0ms}"       # [pipelines.bench.batch] linger when size > 1 (idem default: 0ms)
 PREFETCH="${PREFETCH:-64}"                # per consumer channel; batches get max(PREFETCH, 2*size*workers)
-PUBLISHER="${PUBLISHER:-idem-traffic}"    # idem-traffic | python (bench/reference/queues.py, faster)
+PUBLISHER="${PUBLISHER:-idem-traffic}"    # idem-traffic | python (bench/reference/queues.py, faster; RabbitMQ only)
+SOURCE="${SOURCE:-rabbitmq}"              # sources idem and raw consume: "rabbitmq", "jetstream" or both
 BASELINES="${BASELINES-raw pgbench reference}" # which baselines to run ("" for none)
 PLUGIN="${PLUGIN:-loyalty}"               # plugin builds, each name[@N]: N = limits.messages_per_instance
                                           # e.g. PLUGIN="loyalty loyalty-py loyalty-py@1000 loyalty-js loyalty-js@1000"
@@ -41,9 +46,11 @@ RUN_TIMEOUT="${RUN_TIMEOUT:-300}"         # seconds one consumer run may take be
 HTTP_PORT="${HTTP_PORT:-9474}"            # idem's /metrics during the bench (127.0.0.1 only)
 PG_URL="${PG_URL:-postgres://postgres@127.0.0.1:5432}" # server, without a database name
 AMQP_URL="${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}"
+NATS_URL="${NATS_URL:-nats://127.0.0.1:4222}"
 DB_NAME="idem_bench"
 QUEUE="bench-orders"
-export AMQP_URL
+STREAM="bench_orders"                     # JetStream: the stream; orders go to bench_orders.orders
+export AMQP_URL NATS_URL
 
 admin_url="$PG_URL/postgres"
 db_url="$PG_URL/$DB_NAME"
@@ -54,6 +61,7 @@ report="$results/latest.txt"
 idem="${IDEM_BIN:-$root/target/release/idem}"                   # another build: IDEM_BIN=…
 traffic="${TRAFFIC_BIN:-$root/target/release/idem-traffic}"
 raw_consume="${RAW_CONSUME_BIN:-$root/target/release/raw-consume}"
+streams="${STREAMS_BIN:-$root/target/release/streams}"          # JetStream chores (bench/src/bin/streams.rs)
 venv="$root/bench/reference/.venv"
 py="$venv/bin/python"
 metrics_url="http://127.0.0.1:$HTTP_PORT/metrics"
@@ -78,12 +86,17 @@ for value in $WORKERS $BATCH_SIZES $CUSTOMERS $PREFETCH; do
 done
 case "$PUBLISHER" in idem-traffic | python) ;; *) die "PUBLISHER is idem-traffic or python, not '$PUBLISHER'" ;; esac
 [[ "$CLAIMS_PREFILL" =~ ^[0-9]+$ ]] || die "CLAIMS_PREFILL must be a number of claims, not '$CLAIMS_PREFILL'"
+for source in $SOURCE; do
+  case "$source" in rabbitmq | jetstream) ;; *) die "SOURCE takes rabbitmq and/or jetstream, not '$source'" ;; esac
+done
+jetstream=0
+[[ " $SOURCE " == *" jetstream "* ]] && jetstream=1
 for entry in $PLUGIN; do
   [[ "$entry" =~ ^[a-z0-9-]+(@[1-9][0-9]*)?$ ]] ||
     die "PLUGIN takes plugin names from plugins/dist, each optionally @N (messages per instance), not '$entry'"
 done
 
-scripts/services.sh >&2
+if [ "$jetstream" = 1 ]; then scripts/services.sh --nats >&2; else scripts/services.sh >&2; fi
 if curl -s --max-time 1 -o /dev/null "http://127.0.0.1:$HTTP_PORT/"; then
   die "something already listens on 127.0.0.1:$HTTP_PORT; set HTTP_PORT to a free port"
 fi
@@ -109,8 +122,8 @@ fi
 if [ "$BUILD" = 1 ]; then
   command -v cargo >/dev/null ||
     die "cargo not found; install Rust (rustup), or run with BUILD=0 and binaries in target/release"
-  say "building idem, idem-traffic and raw-consume (release) and the plugins"
-  cargo build --release -p idem-host --bin idem -p idem-e2e --bin idem-traffic -p idem-bench --bin raw-consume ||
+  say "building idem, idem-traffic, raw-consume and streams (release) and the plugins"
+  cargo build --release -p idem-host --bin idem -p idem-e2e --bin idem-traffic -p idem-bench --bin raw-consume --bin streams ||
     die "cargo build --release failed (see above); BUILD=0 reuses the binaries in target/release"
   scripts/build-plugins.sh >/dev/null || die "scripts/build-plugins.sh failed (see above)"
 fi
@@ -122,13 +135,16 @@ done
 if [[ " $BASELINES " == *" raw "* ]] && [ ! -x "$raw_consume" ]; then
   die "$raw_consume is missing; build it with: cargo build --release -p idem-bench --bin raw-consume"
 fi
-if [ "$PUBLISHER" = idem-traffic ] && [ ! -x "$traffic" ]; then
+if [ "$jetstream" = 1 ] && [ ! -x "$streams" ]; then
+  die "$streams is missing; build it with: cargo build --release -p idem-bench --bin streams"
+fi
+if { [ "$PUBLISHER" = idem-traffic ] || [ "$jetstream" = 1 ]; } && [ ! -x "$traffic" ]; then
   die "$traffic is missing; build it with: cargo build --release -p idem-e2e --bin idem-traffic (or PUBLISHER=python)"
 fi
 
 mkdir -p "$logs"
 rm -f "$logs"/*
-printf 'kind\tworkers\tbatch\tplugin\tstatus\tmsgs_s\tp50_ms\tp99_ms\toutcomes\trss_kib\tcheck\tnote\n' >"$runs"
+printf 'source\tkind\tworkers\tbatch\tplugin\tstatus\tmsgs_s\tp50_ms\tp99_ms\toutcomes\trss_kib\tcheck\tnote\n' >"$runs"
 failures=0
 duplicates_count=$(awk -v n="$ORDERS" -v d="$DUPLICATES" 'BEGIN { x = n * d; printf "%d", (x - int(x) >= 0.5) ? int(x) + 1 : int(x) }')
 messages=$((ORDERS + duplicates_count)) # what idem-traffic publishes: every order once + redeliveries
@@ -144,9 +160,10 @@ stop_idem() { # on exit or interrupt: stop the host this script started, and onl
 trap stop_idem EXIT
 trap 'exit 130' INT TERM
 
+source=rabbitmq # the source of the runs being made ("-" for pgbench, which has none)
 record() { # record kind workers batch plugin status msgs_s p50 p99 outcomes rss check note
   local IFS=$'\t'
-  echo "$*" >>"$runs"
+  echo "$source	$*" >>"$runs"
 }
 
 # --- one fresh data set ---------------------------------------------------------------------
@@ -164,14 +181,26 @@ write_config() { # write_config <file> <workers> <batch size> [batch table: 1 (d
 url = "$db_url"
 max_connections = $workers   # the same number of connections as the baselines
 
+[http]
+listen = "127.0.0.1:$HTTP_PORT"
+EOF
+  if [ "$source" = jetstream ]; then
+    cat >>"$file" <<EOF
+
+[pipelines.bench]
+source = { kind = "jetstream", servers = ["$NATS_URL"], stream = "$STREAM", subject = "$STREAM.orders", consumer = "idem-bench" }
+EOF
+  else
+    cat >>"$file" <<EOF
+
 [amqp]
 url = "$AMQP_URL"
 
-[http]
-listen = "127.0.0.1:$HTTP_PORT"
-
 [pipelines.bench]
 queue = "$QUEUE"
+EOF
+  fi
+  cat >>"$file" <<EOF
 consumer = "loyalty"
 plugin = "$plugin"
 claim = "ledger"
@@ -260,9 +289,20 @@ prefill_template() {
   say "filled $template in $((($(now_ns) - started) / 1000000000)) s (not timed)"
 }
 
-fresh_queues_and_publish() { # publishes the run's messages into an empty queue
-  "$py" bench/reference/queues.py purge "$QUEUE" "$QUEUE.dead-letter"
+fresh_queues_and_publish() { # publishes the run's messages into an empty queue or stream
   local output published started
+  if [ "$source" = jetstream ]; then
+    "$streams" reset "$STREAM" || die "cannot reset stream $STREAM on $NATS_URL"
+    started=$(now_ns)
+    output="$("$traffic" --subject "$STREAM.orders" --orders "$ORDERS" --duplicates "$DUPLICATES" --customers "$CUSTOMERS")" ||
+      die "idem-traffic failed to publish to $STREAM.orders"
+    published="$(sed -n 's/^published \([0-9][0-9]*\) messages.*/\1/p' <<<"$output")"
+    [ "$published" = "$messages" ] && [ "$("$streams" count "$STREAM")" = "$messages" ] ||
+      die "stream $STREAM does not hold the $messages messages just published (idem-traffic said: $output)"
+    say "published $messages messages to $STREAM.orders with idem-traffic in $((($(now_ns) - started) / 1000000)) ms (not timed)"
+    return
+  fi
+  "$py" bench/reference/queues.py purge "$QUEUE" "$QUEUE.dead-letter"
   started=$(now_ns)
   if [ "$PUBLISHER" = idem-traffic ]; then
     output="$("$traffic" --queue "$QUEUE" --orders "$ORDERS" --duplicates "$DUPLICATES" --customers "$CUSTOMERS")" ||
@@ -280,6 +320,22 @@ fresh_queues_and_publish() { # publishes the run's messages into an empty queue
 }
 
 # --- verification ---------------------------------------------------------------------------
+left_behind() { # left_behind <consumer>: messages the source still holds for it (queued, unacked)
+  if [ "$source" = jetstream ]; then
+    "$streams" depth "$STREAM" "$1"
+  else
+    "$py" bench/reference/queues.py depth "$QUEUE"
+  fi
+}
+
+dead_lettered() { # messages in the source's dead letters
+  if [ "$source" = jetstream ]; then
+    "$streams" count "${STREAM}_DEAD_LETTERS"
+  else
+    "$py" bench/reference/queues.py depth "$QUEUE.dead-letter"
+  fi
+}
+
 verify() { # verify <label> <consumer run: 1|0>; prints PASS/FAIL with the figures, sets $check
   local label="$1" via_queue="$2" row problems=()
   row="$(psql "$db_url" -qAtX -F ' ' -v ON_ERROR_STOP=1 -c "
@@ -301,9 +357,9 @@ verify() { # verify <label> <consumer run: 1|0>; prints PASS/FAIL with the figur
   [ "$wrong" = 0 ] || problems+=("$wrong ledger rows with a wrong customer, order or points")
   if [ "$via_queue" = 1 ]; then
     local left dead
-    left="$("$py" bench/reference/queues.py depth "$QUEUE")"
-    dead="$("$py" bench/reference/queues.py depth "$QUEUE.dead-letter")"
-    [ "$left" = 0 ] || problems+=("$left messages left in $QUEUE")
+    left="$(left_behind idem-bench)"
+    dead="$(dead_lettered)"
+    [ "$left" = 0 ] || problems+=("$left messages left in the $source source")
     [ "$dead" = 0 ] || problems+=("$dead messages dead-lettered")
   fi
   if [ "${#problems[@]}" -eq 0 ]; then
@@ -401,7 +457,7 @@ run_pgbench() { # run_pgbench <clients>
 }
 
 run_reference() { # run_reference <workers>
-  local workers="$1" label="reference w=$1" output json
+  local workers="$1" label="reference w=$1 ($source)" output json
   say "$label: publishing $messages messages"
   fresh_database
   fresh_queues_and_publish
@@ -434,13 +490,15 @@ print(r["messages_per_second"], r["p50_ms"], r["p99_ms"],
 }
 
 run_raw() { # run_raw <channels>
-  local channels="$1" label="raw c=$1" output rate
+  local channels="$1" label="raw c=$1 ($source)" output rate
   say "$label: publishing $messages messages"
   fresh_queues_and_publish
   say "$label: consuming (ack only)"
-  if ! output="$("$raw_consume" --queue "$QUEUE" --expect "$messages" --prefetch "$PREFETCH" \
-    --channels "$channels" 2>"$logs/raw-c$channels.log")"; then
-    say "$label: raw-consume failed; see $logs/raw-c$channels.log"
+  local from=(--queue "$QUEUE")
+  [ "$source" = jetstream ] && from=(--stream "$STREAM")
+  if ! output="$("$raw_consume" "${from[@]}" --expect "$messages" --prefetch "$PREFETCH" \
+    --channels "$channels" 2>"$logs/raw-$source-c$channels.log")"; then
+    say "$label: raw-consume failed; see $logs/raw-$source-c$channels.log"
     failures=$((failures + 1))
     record raw "$channels" - - failed - - - - - FAIL "raw-consume failed"
     return
@@ -448,17 +506,17 @@ run_raw() { # run_raw <channels>
   rate="$(sed -n 's/.*: \([0-9.]*\) messages\/s$/\1/p' <<<"$output")"
   [ -n "$rate" ] || die "cannot read raw-consume's figure: $output"
   local left check=PASS
-  left="$("$py" bench/reference/queues.py depth "$QUEUE")"
+  left="$(left_behind raw-consume)"
   if [ "$left" != 0 ]; then
-    check=FAIL; failures=$((failures + 1)); say "$label: FAIL ($left messages left in $QUEUE)"
+    check=FAIL; failures=$((failures + 1)); say "$label: FAIL ($left messages left in the $source source)"
   fi
   say "$label: $rate messages/s"
   record raw "$channels" - - ok "$rate" - - "acked $messages" - "$check" "one ack per delivery"
 }
 
 run_idem() { # run_idem <workers> <batch size> <plugin[@N]>
-  local workers="$1" batch="$2" entry="$3" label="idem $3 w=$1 batch=$2"
-  local run_name="idem-${entry/@/-reuse}-w$workers-b$batch"
+  local workers="$1" batch="$2" entry="$3" label="idem $3 w=$1 batch=$2 ($source)"
+  local run_name="idem-$source-${entry/@/-reuse}-w$workers-b$batch"
   local config="$logs/$run_name.toml" log="$logs/$run_name.log"
   write_config "$config" "$workers" "$batch" 1 "$entry"
   say "$label: publishing $messages messages"
@@ -565,15 +623,17 @@ say "$messages messages per run ($ORDERS orders + $duplicates_count redeliveries
 for workers in $WORKERS; do
   for baseline in $BASELINES; do
     case "$baseline" in
-      raw) run_raw "$workers" ;;
-      pgbench) run_pgbench "$workers" ;;
-      reference) run_reference "$workers" ;;
+      raw) for source in $SOURCE; do run_raw "$workers"; done ;;
+      pgbench) source=- run_pgbench "$workers" ;;
+      reference) source=rabbitmq run_reference "$workers" ;; # the guide's consumer speaks AMQP
       *) die "unknown baseline '$baseline' in BASELINES (raw, pgbench, reference)" ;;
     esac
   done
-  for entry in $PLUGIN; do
-    for batch in $BATCH_SIZES; do
-      run_idem "$workers" "$batch" "$entry"
+  for source in $SOURCE; do
+    for entry in $PLUGIN; do
+      for batch in $BATCH_SIZES; do
+        run_idem "$workers" "$batch" "$entry"
+      done
     done
   done
 done
@@ -581,6 +641,7 @@ done
 # --- the report -----------------------------------------------------------------------------
 pg_version="$(psql "$admin_url" -qAtX -c 'SHOW server_version')"
 rabbit_version="$("$py" bench/reference/queues.py version 2>/dev/null || echo unknown)"
+if [ "$jetstream" = 1 ]; then rabbit_version="$rabbit_version; $("$streams" version 2>/dev/null || echo "NATS unknown")"; fi
 cpu_model="$(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo)"
 memory="$(awk '/^MemTotal:/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
 revision="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -599,16 +660,18 @@ import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
 
 plugins = list(dict.fromkeys(r["plugin"] for r in rows if r["kind"] == "idem"))
+sources = list(dict.fromkeys(r["source"] for r in rows if r["kind"] in ("idem", "raw")))
 rust = "loyalty"
 
 def name(r):
+    source = f"{r['source']:<10}" if len(sources) > 1 and r["kind"] in ("idem", "raw") else ""
     if r["kind"] == "idem":
         plugin = "" if plugins == [rust] else f" {r['plugin']}"
-        return f"idem       workers={r['workers']} batch={r['batch']}{plugin}"
+        return f"idem       {source}workers={r['workers']} batch={r['batch']}{plugin}"
     if r["kind"] == "pgbench":
         return f"pgbench    connections={r['workers']}"
     if r["kind"] == "raw":
-        return f"raw        channels={r['workers']}"
+        return f"raw        {source}channels={r['workers']}"
     return f"reference  workers={r['workers']}"
 
 def size(kib):
@@ -635,30 +698,35 @@ print("latency: idem, delivery to settlement (idem_message_seconds histogram, in
 print("its power-of-two buckets); reference, callback to ack; pgbench, one transaction.")
 print("peak RSS: idem VmHWM of the one process; reference summed over its worker processes.")
 print("raw: a consumer that only acks (one ack per delivery), the broker's own rate at this prefetch.")
+if "jetstream" in sources:
+    print("jetstream: idem acks each message with a double ack (confirmed by the server); raw sends")
+    print("plain acks. reference is the guide's RabbitMQ consumer, beside both sources.")
 print()
 
-def rate(kind, workers, batch=None, plugin=None):
+def rate(kind, workers, batch=None, plugin=None, source=None):
     for r in rows:
         if (r["kind"] == kind and r["workers"] == workers and r["status"] == "ok"
-                and (batch is None or r["batch"] == batch) and (plugin is None or r["plugin"] == plugin)):
+                and (batch is None or r["batch"] == batch) and (plugin is None or r["plugin"] == plugin)
+                and (source is None or r["source"] == source)):
             return float(r["msgs_s"])
     return None
 
 def ratio(a, b):
     return f"{a / b:.2f}" if a and b else "n/a"
 
-for plugin in plugins:
-    title = f"ratios, {plugin} (messages/s over messages/s)"
-    print(f"{title:<50}  {'idem/pgbench':>12}  {'idem/reference':>14}  {'idem/raw':>8}")
+for source, plugin in [(s, p) for s in sources for p in plugins]:
+    title = f"ratios, {plugin}{f' from {source}' if len(sources) > 1 else ''} (messages/s over messages/s)"
+    print(f"{title:<60}  {'idem/pgbench':>12}  {'idem/reference':>14}  {'idem/raw':>8}")
     for workers in sorted({r["workers"] for r in rows if r["kind"] == "idem"}, key=int):
-        mine = [r for r in rows if r["kind"] == "idem" and r["workers"] == workers and r["plugin"] == plugin]
+        mine = [r for r in rows if r["kind"] == "idem" and r["workers"] == workers and r["plugin"] == plugin
+                and r["source"] == source]
         candidates = [r for r in mine if r["status"] == "ok"]
         best = max(candidates, key=lambda r: float(r["msgs_s"]), default=None)
-        pg, ref, raw = rate("pgbench", workers), rate("reference", workers), rate("raw", workers)
-        one = rate("idem", workers, "1", plugin)
-        print(f"{f'workers {workers}, batch 1':<50}  {ratio(one, pg):>12}  {ratio(one, ref):>14}  {ratio(one, raw):>8}")
+        pg, ref, raw = rate("pgbench", workers), rate("reference", workers), rate("raw", workers, source=source)
+        one = rate("idem", workers, "1", plugin, source)
+        print(f"{f'workers {workers}, batch 1':<60}  {ratio(one, pg):>12}  {ratio(one, ref):>14}  {ratio(one, raw):>8}")
         if best is None:
-            print(f"{f'workers {workers}, best batch':<50}  {'n/a':>12}  {'n/a':>14}  {'n/a':>8}")
+            print(f"{f'workers {workers}, best batch':<60}  {'n/a':>12}  {'n/a':>14}  {'n/a':>8}")
         else:
             label = f"workers {workers}, best batch ({best['batch']})"
             for status in ("refused", "failed"):
@@ -666,16 +734,32 @@ for plugin in plugins:
                 if batches:
                     label += f"; {status}: {' '.join(batches)}"
             b = float(best["msgs_s"])
-            print(f"{label:<50}  {ratio(b, pg):>12}  {ratio(b, ref):>14}  {ratio(b, raw):>8}")
+            print(f"{label:<60}  {ratio(b, pg):>12}  {ratio(b, ref):>14}  {ratio(b, raw):>8}")
     print()
 others = [plugin for plugin in plugins if plugin != rust]
 if others and rust in plugins:
     print(f"{'plugin builds against Rust, same workers and batch':<50}  " + "  ".join(f"{p:>18}" for p in others))
     for r in rows:
         if r["kind"] == "idem" and r["plugin"] == rust:
-            label = f"workers {r['workers']}, batch {r['batch']}"
-            cells = [ratio(rate("idem", r["workers"], r["batch"], p), rate("idem", r["workers"], r["batch"], rust)) for p in others]
+            source = r["source"]
+            label = f"workers {r['workers']}, batch {r['batch']}{f' ({source})' if len(sources) > 1 else ''}"
+            cells = [ratio(rate("idem", r["workers"], r["batch"], p, source),
+                           rate("idem", r["workers"], r["batch"], rust, source)) for p in others]
             print(f"{label:<50}  " + "  ".join(f"{c:>18}" for c in cells))
+    print()
+if "jetstream" in sources and "rabbitmq" in sources:
+    print(f"{'jetstream against rabbitmq, same plugin, workers and batch':<60}  {'jetstream/rabbitmq':>18}")
+    for r in rows:
+        if r["kind"] == "raw" and r["source"] == "rabbitmq":
+            label = f"raw, channels {r['workers']}"
+            cell = ratio(rate("raw", r["workers"], source="jetstream"), rate("raw", r["workers"], source="rabbitmq"))
+            print(f"{label:<60}  {cell:>18}")
+    for r in rows:
+        if r["kind"] == "idem" and r["source"] == "rabbitmq":
+            label = f"idem {r['plugin']}, workers {r['workers']}, batch {r['batch']}"
+            cell = ratio(rate("idem", r["workers"], r["batch"], r["plugin"], "jetstream"),
+                         rate("idem", r["workers"], r["batch"], r["plugin"], "rabbitmq"))
+            print(f"{label:<60}  {cell:>18}")
     print()
 passed = sum(r["check"] == "PASS" for r in rows)
 failed = [r for r in rows if r["check"] == "FAIL"]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command: services up, plugins built (by tests/build.rs), every test against
-# real PostgreSQL and RabbitMQ. Extra arguments go to `cargo test`.
+# The test command: services up, toolchains and Chromium installed, plugins built (by
+# tests/build.rs), every test against real PostgreSQL, RabbitMQ and NATS JetStream. Extra
+# arguments go to `cargo test`.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -15,6 +16,19 @@ if ! python3 -m pip show componentize-py 2>/dev/null | grep -x 'Version: 0.25.1'
 fi
 if [ ! -d "$root/plugins/loyalty-js/node_modules" ]; then
   (cd "$root/plugins/loyalty-js" && npm ci --no-audit --no-fund --loglevel=error)
+fi
+# The console's browser test: Debian's Chromium, driven by playwright-core (which downloads no
+# browser of its own).
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null ||
+      { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null; }
+  else
+    sudo DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null
+  fi
+fi
+if [ ! -d "$root/tests/console/node_modules" ]; then
+  (cd "$root/tests/console" && npm ci --no-audit --no-fund --loglevel=error)
 fi
 # The crash tests run the real binary; build it before the tests look for it.
 cargo build -p idem-host --bin idem

@@ -150,9 +150,13 @@ pub struct HttpConfig {
     #[serde(default = "default_listen")]
     #[schemars(with = "String")]
     pub listen: std::net::SocketAddr,
-    /// Bearer token required on `/admin/…`; mandatory when `listen` is not a loopback address.
+    /// Bearer token required by every action on `/admin/…`, and by every read when `listen` is
+    /// not a loopback address; mandatory then.
     #[serde(default, deserialize_with = "interpolated_option")]
     pub admin_token: Option<String>,
+    /// Serve the operator console at `/` (default `true`): pipelines, dead letters, outbox.
+    #[serde(default = "default_true")]
+    pub console: bool,
 }
 
 /// One `[pipelines.<name>]` table: a source, a plugin and the statements it may use.

@@ -135,6 +135,7 @@ pub async fn run_with_metrics(
                     pipelines.clone(),
                     Arc::clone(&metrics),
                     pool.clone(),
+                    config.amqp.clone(),
                     token.clone(),
                 )
                 .await?,

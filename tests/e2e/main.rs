@@ -4,6 +4,7 @@ mod batching;
 mod broker;
 mod claims;
 mod connectivity;
+mod console;
 mod crash;
 mod dedup;
 mod hot_swap;

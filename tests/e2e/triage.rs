@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use idem_e2e::jetstream::TestStream;
-use idem_e2e::{TestEnv, idem_binary, plugin_path, wait_for};
+use idem_e2e::{TestEnv, free_port, http_request, http_send, idem_binary, plugin_path, wait_for};
 use idem_host::config::Config;
 
 fn idem(config: &Path, args: &[&str]) -> (bool, String) {
@@ -264,4 +264,138 @@ async fn triage(triage: Triage) {
     }
     host.stop().await.expect("host stops");
     triage.cleanup().await;
+}
+
+/// The console's API over the same kind of dead letters: `GET /admin/dead-letters/loyalty`
+/// groups them by error kind and reason and shows one whole; the `sql` group, replayed by its
+/// ids once the cause is fixed, applies once while the others stay. An action needs the admin
+/// token (reads on a loopback listener do not) and is refused from another site's page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_groups_dead_letters_and_replays_a_group() {
+    let env = TestEnv::new("dlq_api").await;
+    sqlx::query("ALTER TABLE point_ledger ADD CONSTRAINT small_credits CHECK (points < 100)")
+        .execute(&env.pool)
+        .await
+        .expect("add constraint");
+    let port = free_port();
+    let token = "triage-token";
+    let text = format!(
+        "{}\n[http]\nlisten = \"127.0.0.1:{port}\"\nadmin_token = \"{token}\"\n",
+        env.config_text("chaos", "max_attempts = 1")
+    );
+    let config = Config::from_toml(Path::new("/tmp/idem-dlq-api.toml"), &text).expect("config");
+    let host = env.start_host(config);
+    let big_credit = |order: i64| {
+        format!(
+            r#"{{"key": "order:{order}", "effects": [{{"statement": "record_ledger", "params": [1, {order}, 500]}}]}}"#
+        )
+    };
+    for body in [
+        big_credit(1),
+        r#"{"action": "invalid"}"#.to_string(),
+        big_credit(2),
+        r#"{"action": "invalid"}"#.to_string(),
+        r#"{"action": "invalid"}"#.to_string(),
+    ] {
+        env.publish(body.as_bytes()).await;
+    }
+    wait_for("five dead letters", Duration::from_secs(60), || async {
+        env.ready(&env.dead_letter_queue).await == 5
+    })
+    .await;
+
+    let list = || async {
+        let (status, body) = http_request(port, "GET", "/admin/dead-letters/loyalty", None).await;
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str::<serde_json::Value>(&body).expect("JSON list")
+    };
+    let listed = list().await;
+    assert_eq!(
+        listed["letters"].as_array().map(Vec::len),
+        Some(5),
+        "{listed}"
+    );
+    let group = |kind: &str| {
+        listed["groups"]
+            .as_array()
+            .expect("groups")
+            .iter()
+            .find(|group| group["kind"] == kind)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {kind} group in {listed}"))
+    };
+    assert_eq!(group("invalid-input")["count"], 3, "{listed}");
+    assert_eq!(
+        group("invalid-input")["reason"],
+        "plugin refused the message (invalid-input): chaos plugin asked to fail"
+    );
+    let sql = group("sql");
+    assert_eq!(sql["count"], 2, "{listed}");
+    let first = sql["ids"][0].as_str().expect("an id");
+    let (status, detail) = http_request(
+        port,
+        "GET",
+        &format!("/admin/dead-letters/loyalty/{first}"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{detail}");
+    assert!(
+        detail.contains("x-idem-reason") && detail.contains("record_ledger"),
+        "{detail}"
+    );
+    // Looking moved nothing.
+    assert_eq!(env.ready(&env.dead_letter_queue).await, 5);
+
+    sqlx::query("ALTER TABLE point_ledger DROP CONSTRAINT small_credits")
+        .execute(&env.pool)
+        .await
+        .expect("drop constraint");
+    let replay = serde_json::json!({ "ids": sql["ids"] }).to_string();
+    let path = "/admin/dead-letters/loyalty/replay";
+    let bearer = format!("Bearer {token}");
+    let own_page = format!("http://127.0.0.1:{port}");
+    let (status, body) = http_send(port, "POST", path, &[], Some(&replay)).await;
+    assert_eq!(status, 401, "an action without the token: {body}");
+    let (status, body) = http_send(
+        port,
+        "POST",
+        path,
+        &[
+            ("Authorization", bearer.as_str()),
+            ("Origin", "http://evil.example"),
+        ],
+        Some(&replay),
+    )
+    .await;
+    assert_eq!(status, 403, "an action from another site: {body}");
+    assert_eq!(env.ready(&env.dead_letter_queue).await, 5, "nothing moved");
+    let (status, body) = http_send(
+        port,
+        "POST",
+        path,
+        &[
+            ("Authorization", bearer.as_str()),
+            ("Origin", own_page.as_str()),
+        ],
+        Some(&replay),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let replayed: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(replayed["replayed"], 2, "{body}");
+    wait_for("two credits", Duration::from_secs(30), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 2
+    })
+    .await;
+    let left = list().await;
+    let kinds: Vec<&str> = left["letters"]
+        .as_array()
+        .expect("letters")
+        .iter()
+        .map(|letter| letter["kind"].as_str().unwrap_or("-"))
+        .collect();
+    assert_eq!(kinds, ["invalid-input"; 3], "{left}");
+    host.stop().await.expect("host stops");
+    env.cleanup().await;
 }

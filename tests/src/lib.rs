@@ -4,6 +4,7 @@
 //! uniquely named queues, so tests run in parallel and repeatedly. Endpoints come from
 //! `IDEM_TEST_PG_ADMIN_URL` and `AMQP_URL`, defaulting to the local services.
 
+pub mod browser;
 pub mod jetstream;
 pub mod proxy;
 pub mod tls;
@@ -551,15 +552,39 @@ pub async fn http_request(
     path: &str,
     token: Option<&str>,
 ) -> (u16, String) {
+    let authorization = token.map(|token| format!("Bearer {token}"));
+    let headers: Vec<(&str, &str)> = authorization
+        .as_deref()
+        .map(|value| ("Authorization", value))
+        .into_iter()
+        .collect();
+    http_send(port, method, path, &headers, None).await
+}
+
+/// An HTTP/1.1 request to 127.0.0.1:`port` with extra `headers` and a JSON `body`; returns
+/// the status code and the body.
+pub async fn http_send(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    json: Option<&str>,
+) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .expect("connect to the host's HTTP endpoint");
-    let authorization = token.map_or(String::new(), |token| {
-        format!("Authorization: Bearer {token}\r\n")
-    });
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n");
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    if json.is_some() {
+        head.push_str("Content-Type: application/json\r\n");
+    }
+    let body = json.unwrap_or("");
     let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{authorization}Content-Length: 0\r\nConnection: close\r\n\r\n"
+        "{head}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
     );
     stream
         .write_all(request.as_bytes())

@@ -6,9 +6,15 @@
 //! acked (one ack per delivery, as a plain consumer does) over C channels of one connection,
 //! then prints `consumed N messages in S seconds: R messages/s`. The clock starts at the
 //! first delivery.
+//!
+//! `raw-consume --stream S …` does the same on NATS JetStream stream S (`NATS_URL`, default
+//! `nats://127.0.0.1:4222`): a durable pull consumer `raw-consume` (explicit acks), pulled by C
+//! tasks with batches of P, each message acked once (a plain ack, not confirmed by the server:
+//! what a plain consumer sends).
 
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::{self, consumer::pull};
 use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{FieldTable, ShortString};
@@ -29,7 +35,7 @@ fn required<T: std::str::FromStr>(name: &str) -> T {
         .and_then(|value| value.parse().ok())
         .unwrap_or_else(|| {
             eprintln!(
-                "raw-consume: {name} is required (usage: raw-consume --queue Q --expect N --prefetch P --channels C)"
+                "raw-consume: {name} is required (usage: raw-consume --queue Q | --stream S --expect N --prefetch P --channels C)"
             );
             std::process::exit(2)
         })
@@ -37,10 +43,55 @@ fn required<T: std::str::FromStr>(name: &str) -> T {
 
 #[tokio::main]
 async fn main() {
-    let queue: String = required("--queue");
     let expect: u64 = required("--expect");
     let prefetch: u16 = required("--prefetch");
     let channels: u16 = required("--channels");
+    let (counted, mut count) = tokio::sync::mpsc::unbounded_channel::<Instant>();
+    let connection = match argument("--stream") {
+        Some(stream) => {
+            consume_stream(&stream, prefetch, channels, counted).await;
+            None
+        }
+        None => {
+            Some(consume_queue(&required::<String>("--queue"), prefetch, channels, counted).await)
+        }
+    };
+    let mut first = None;
+    let mut last = None;
+    let mut acked = 0u64;
+    while acked < expect {
+        match tokio::time::timeout(Duration::from_secs(30), count.recv()).await {
+            Ok(Some(at)) => {
+                first.get_or_insert(at);
+                last = Some(at);
+                acked += 1;
+            }
+            Ok(None) | Err(_) => {
+                eprintln!("raw-consume: only {acked} of {expect} messages arrived");
+                std::process::exit(1)
+            }
+        }
+    }
+    let seconds = match (first, last) {
+        (Some(first), Some(last)) => last.duration_since(first).as_secs_f64().max(1e-9),
+        _ => 1e-9,
+    };
+    println!(
+        "consumed {acked} messages in {seconds:.3} seconds: {:.1} messages/s",
+        acked as f64 / seconds
+    );
+    if let Some(connection) = connection {
+        let _ = connection.close(200, ShortString::from("done")).await;
+    }
+}
+
+/// Consumes `queue` over `channels` channels, sending the time of each ack to `counted`.
+async fn consume_queue(
+    queue: &str,
+    prefetch: u16,
+    channels: u16,
+    counted: tokio::sync::mpsc::UnboundedSender<Instant>,
+) -> Connection {
     let url = std::env::var("AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_string());
     let connection = Connection::connect(&url, ConnectionProperties::default())
@@ -49,7 +100,6 @@ async fn main() {
             eprintln!("raw-consume: cannot connect to {url}: {error}");
             std::process::exit(1)
         });
-    let (counted, mut count) = tokio::sync::mpsc::unbounded_channel::<Instant>();
     for number in 0..channels {
         let channel = connection.create_channel().await.expect("channel");
         channel
@@ -58,7 +108,7 @@ async fn main() {
             .expect("qos");
         let mut consumer = channel
             .basic_consume(
-                ShortString::from(queue.as_str()),
+                ShortString::from(queue),
                 ShortString::from(format!("raw-consume-{number}")),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -85,30 +135,53 @@ async fn main() {
             }
         });
     }
-    drop(counted);
-    let mut first = None;
-    let mut last = None;
-    let mut acked = 0u64;
-    while acked < expect {
-        match tokio::time::timeout(Duration::from_secs(30), count.recv()).await {
-            Ok(Some(at)) => {
-                first.get_or_insert(at);
-                last = Some(at);
-                acked += 1;
+    connection
+}
+
+/// Consumes stream `name` through a durable pull consumer, `channels` pulls at a time,
+/// sending the time of each ack to `counted`.
+async fn consume_stream(
+    name: &str,
+    prefetch: u16,
+    channels: u16,
+    counted: tokio::sync::mpsc::UnboundedSender<Instant>,
+) {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_string());
+    let client = async_nats::connect(url.as_str())
+        .await
+        .unwrap_or_else(|error| {
+            eprintln!("raw-consume: cannot connect to NATS at {url}: {error}");
+            std::process::exit(1)
+        });
+    let context = jetstream::new(client);
+    let consumer = context
+        .create_consumer_on_stream(
+            pull::Config {
+                durable_name: Some("raw-consume".into()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ..pull::Config::default()
+            },
+            name,
+        )
+        .await
+        .unwrap_or_else(|error| {
+            eprintln!("raw-consume: cannot create a consumer on stream {name}: {error}");
+            std::process::exit(1)
+        });
+    for _ in 0..channels {
+        let mut messages = consumer
+            .stream()
+            .max_messages_per_batch(usize::from(prefetch))
+            .messages()
+            .await
+            .expect("pull");
+        let counted = counted.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(message)) = messages.next().await {
+                if message.ack().await.is_err() || counted.send(Instant::now()).is_err() {
+                    break;
+                }
             }
-            Ok(None) | Err(_) => {
-                eprintln!("raw-consume: only {acked} of {expect} messages arrived");
-                std::process::exit(1)
-            }
-        }
+        });
     }
-    let seconds = match (first, last) {
-        (Some(first), Some(last)) => last.duration_since(first).as_secs_f64().max(1e-9),
-        _ => 1e-9,
-    };
-    println!(
-        "consumed {acked} messages in {seconds:.3} seconds: {:.1} messages/s",
-        acked as f64 / seconds
-    );
-    let _ = connection.close(200, ShortString::from("done")).await;
 }

@@ -10,10 +10,13 @@
 //! broker confirmed it) before it is removed from the dead letters, so a failure between the
 //! two replays it twice at worst, and the claim makes the second copy a duplicate.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, SystemTime};
 
+use serde_json::json;
+
 use super::{
-    ERROR_KIND_HEADER, HOST_HEADER_PREFIX, REASON_HEADER, REJECTED_AT_HEADER, SourceError,
+    ERROR_KIND_HEADER, HOST_HEADER_PREFIX, REASON_HEADER, REJECTED_AT_HEADER, SourceError, one_line,
 };
 use super::{jetstream, rabbitmq};
 use crate::config::{AmqpConfig, PipelineConfig, SourceConfig};
@@ -38,6 +41,8 @@ pub struct Selection {
     pub reason: Option<String>,
     /// Dead-lettered at most this long ago.
     pub since: Option<Duration>,
+    /// Only these dead letters (their [`DeadLetter::id`]s), as a page listed them.
+    pub ids: Option<BTreeSet<String>>,
     /// Act on at most this many matching messages.
     pub limit: Option<u64>,
 }
@@ -47,6 +52,9 @@ pub struct Selection {
 pub struct DeadLetter {
     /// 1 for the pipeline's oldest dead letter when the pass began.
     pub position: u64,
+    /// What names this dead letter from one pass to the next, while positions may shift: its
+    /// sequence in the dead-letter stream, or on a queue the random id the host gave it.
+    pub id: String,
     /// The delivery as the plugin saw it, with every header (the `x-idem-*` ones included).
     pub message: InboundMessage,
     /// The error kind the host recorded, e.g. `invalid-input` or `retries-exhausted`.
@@ -59,9 +67,9 @@ pub struct DeadLetter {
 }
 
 impl DeadLetter {
-    /// The dead letter at `position` holding `message`, with what the host recorded in its
-    /// headers when it dead-lettered it.
-    pub(super) fn recorded(position: u64, message: InboundMessage) -> DeadLetter {
+    /// The dead letter at `position`, named `id`, holding `message`, with what the host
+    /// recorded in its headers when it dead-lettered it.
+    pub(super) fn recorded(position: u64, id: String, message: InboundMessage) -> DeadLetter {
         let header = |name: &str| {
             message
                 .headers
@@ -78,6 +86,7 @@ impl DeadLetter {
         });
         DeadLetter {
             position,
+            id,
             kind: header(ERROR_KIND_HEADER),
             reason: header(REASON_HEADER),
             age,
@@ -87,11 +96,94 @@ impl DeadLetter {
     }
 }
 
+impl DeadLetter {
+    /// The dead letter as `idem dlq list --json` and the console show it: the body whole when
+    /// `whole_body`, else a preview of `PREVIEW_CHARS` characters; hex when it is not UTF-8.
+    pub fn json(&self, whole_body: bool) -> serde_json::Value {
+        let body = &self.message.body;
+        let body = match std::str::from_utf8(body) {
+            Ok(text) if whole_body => json!({ "text": text }),
+            Ok(text) => json!({ "preview": cut_line(text, PREVIEW_CHARS) }),
+            Err(_) => json!({ "hex": hex::encode(body) }),
+        };
+        json!({
+            "position": self.position,
+            "id": self.id,
+            "age_seconds": self.age.map(|age| age.as_secs()),
+            "kind": self.kind,
+            "reason": self.reason,
+            "replays": self.replays,
+            "message_id": self.message.message_id,
+            "subject": self.message.subject,
+            "headers": self.message.headers.iter().map(|(name, value)| json!([name, value])).collect::<Vec<_>>(),
+            "body": body,
+            "body_bytes": self.message.body.len(),
+        })
+    }
+}
+
+/// Longest body preview in a list of dead letters, in characters.
+pub const PREVIEW_CHARS: usize = 60;
+
+/// `text` on one line (`source::one_line`), cut to `max` characters with an ellipsis.
+pub fn cut_line(text: &str, max: usize) -> String {
+    let flat = one_line(text);
+    if flat.chars().count() <= max {
+        return flat;
+    }
+    let mut cut: String = flat.chars().take(max.saturating_sub(1)).collect();
+    cut.push('…');
+    cut
+}
+
+/// Dead letters of one error kind and reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    pub kind: Option<String>,
+    pub reason: Option<String>,
+    /// How many dead letters it holds.
+    pub count: usize,
+    /// The ids of its dead letters, oldest first.
+    pub ids: Vec<String>,
+    /// The age of its youngest dead letter.
+    pub newest: Option<Duration>,
+}
+
+/// `letters` grouped by error kind and reason, the largest group first (then by kind and
+/// reason), as an operator triages them.
+pub fn groups(letters: &[DeadLetter]) -> Vec<Group> {
+    let mut by_cause: BTreeMap<(Option<&str>, Option<&str>), Group> = BTreeMap::new();
+    for letter in letters {
+        let group = by_cause
+            .entry((letter.kind.as_deref(), letter.reason.as_deref()))
+            .or_insert_with(|| Group {
+                kind: letter.kind.clone(),
+                reason: letter.reason.clone(),
+                count: 0,
+                ids: Vec::new(),
+                newest: None,
+            });
+        group.count += 1;
+        if !group.ids.contains(&letter.id) {
+            group.ids.push(letter.id.clone());
+        }
+        group.newest = match (group.newest, letter.age) {
+            (Some(newest), Some(age)) => Some(newest.min(age)),
+            (newest, age) => newest.or(age),
+        };
+    }
+    let mut groups: Vec<Group> = by_cause.into_values().collect();
+    groups.sort_by_key(|group| std::cmp::Reverse(group.count));
+    groups
+}
+
 impl Selection {
     pub(super) fn matches(&self, letter: &DeadLetter) -> bool {
-        self.kind
-            .as_ref()
-            .is_none_or(|kind| letter.kind.as_deref() == Some(kind.as_str()))
+        self.ids.as_ref().is_none_or(|ids| ids.contains(&letter.id))
+            && self
+                .kind
+                .as_ref()
+                .is_none_or(|kind| letter.kind.as_deref() == Some(kind.as_str()))
             && self.reason.as_ref().is_none_or(|fragment| {
                 letter
                     .reason

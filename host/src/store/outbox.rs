@@ -550,6 +550,22 @@ pub struct Undelivered {
     pub parked: bool,
 }
 
+impl Undelivered {
+    /// The row as `idem outbox list --json` and the console show it.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "id": self.id,
+            "state": if self.parked { "parked" } else { "pending" },
+            "consumer": self.consumer,
+            "destination": self.destination,
+            "key": self.idempotency_key,
+            "attempts": self.attempts,
+            "age_seconds": self.age_seconds.round() as i64,
+            "last_error": self.last_error,
+        })
+    }
+}
+
 /// Undelivered rows, oldest first: parked ones only when `parked_only`.
 pub async fn undelivered(
     pool: &PgPool,

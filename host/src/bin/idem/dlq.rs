@@ -5,14 +5,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use serde_json::json;
 
 use idem_host::config::{Config, PipelineConfig};
-use idem_host::source::dead_letters::{self, Action, DeadLetter, Selection};
+use idem_host::source::dead_letters::{self, Action, PREVIEW_CHARS, Selection, cut_line};
 use idem_host::store::{database, outbox};
-
-/// Longest body preview in `idem dlq list`, in characters.
-const PREVIEW_CHARS: usize = 60;
 
 pub enum DlqCommand {
     List { json: bool },
@@ -52,7 +48,7 @@ async fn list(
         Action::Look,
         |letter| {
             if as_json {
-                letters.push(letter_json(letter, false));
+                letters.push(letter.json(false));
             } else {
                 rows.push([
                     letter.position.to_string(),
@@ -113,10 +109,7 @@ async fn show(
         return Ok(ExitCode::FAILURE);
     };
     if as_json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&letter_json(&letter, true))?
-        );
+        println!("{}", serde_json::to_string_pretty(&letter.json(true))?);
         return Ok(ExitCode::SUCCESS);
     }
     println!("#{} in {:?}", letter.position, pipeline.dead_letter());
@@ -184,27 +177,6 @@ async fn replay(
     Ok(ExitCode::SUCCESS)
 }
 
-fn letter_json(letter: &DeadLetter, whole_body: bool) -> serde_json::Value {
-    let body = &letter.message.body;
-    let body = match std::str::from_utf8(body) {
-        Ok(text) if whole_body => json!({ "text": text }),
-        Ok(text) => json!({ "preview": cut_line(text, PREVIEW_CHARS) }),
-        Err(_) => json!({ "hex": hex::encode(body) }),
-    };
-    json!({
-        "position": letter.position,
-        "age_seconds": letter.age.map(|age| age.as_secs()),
-        "kind": letter.kind,
-        "reason": letter.reason,
-        "replays": letter.replays,
-        "message_id": letter.message.message_id,
-        "subject": letter.message.subject,
-        "headers": letter.message.headers.iter().map(|(name, value)| json!([name, value])).collect::<Vec<_>>(),
-        "body": body,
-        "body_bytes": letter.message.body.len(),
-    })
-}
-
 pub enum OutboxCommand {
     List {
         parked: bool,
@@ -223,21 +195,7 @@ pub async fn outbox(path: &Path, command: OutboxCommand) -> anyhow::Result<ExitC
         OutboxCommand::List { parked, json } => {
             let rows = outbox::undelivered(&pool, parked, 1000).await?;
             if json {
-                let rows: Vec<_> = rows
-                    .iter()
-                    .map(|row| {
-                        json!({
-                            "id": row.id,
-                            "state": if row.parked { "parked" } else { "pending" },
-                            "consumer": row.consumer,
-                            "destination": row.destination,
-                            "key": row.idempotency_key,
-                            "attempts": row.attempts,
-                            "age_seconds": row.age_seconds.round() as i64,
-                            "last_error": row.last_error,
-                        })
-                    })
-                    .collect();
+                let rows: Vec<_> = rows.iter().map(outbox::Undelivered::json).collect();
                 println!("{}", serde_json::to_string_pretty(&rows)?);
                 return Ok(ExitCode::SUCCESS);
             }
@@ -320,17 +278,6 @@ fn print_table<const N: usize>(header: &[&str; N], rows: Vec<[String; N]>) {
     for row in &rows {
         line(row.iter().map(String::as_str).collect());
     }
-}
-
-/// `text` on one line (`source::one_line`), cut to `max` characters.
-fn cut_line(text: &str, max: usize) -> String {
-    let flat = idem_host::source::one_line(text);
-    if flat.chars().count() <= max {
-        return flat;
-    }
-    let mut cut: String = flat.chars().take(max.saturating_sub(1)).collect();
-    cut.push('…');
-    cut
 }
 
 fn format_age(age: Duration) -> String {

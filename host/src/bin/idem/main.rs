@@ -205,6 +205,7 @@ impl DlqFilter {
             kind: self.kind,
             reason: self.reason,
             since: self.since,
+            ids: None,
             limit: self.limit,
         }
     }

@@ -58,7 +58,11 @@ pub async fn pass(
         };
         next = stored.sequence + 1;
         position += 1;
-        let letter = DeadLetter::recorded(position, message(source, pipeline, &stored));
+        let letter = DeadLetter::recorded(
+            position,
+            stored.sequence.to_string(),
+            message(source, pipeline, &stored),
+        );
         if !selection.matches(&letter) {
             continue;
         }

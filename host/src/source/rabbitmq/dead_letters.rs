@@ -8,10 +8,16 @@
 
 use lapin::options::{BasicGetOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
+use sha2::{Digest, Sha256};
 
 use super::{AmqpError, Copy, Receipt, connect_channel, inbound_message, topology};
 use crate::config::{AmqpConfig, PipelineConfig};
+use crate::message::InboundMessage;
 use crate::source::dead_letters::{self, Action, DeadLetter, REPLAYS_HEADER, Selection};
+
+/// The header naming a dead letter on a queue for good (random, set when it is dead-lettered):
+/// a queue has no sequence numbers, and positions shift as messages leave.
+pub const ID_HEADER: &str = "x-idem-dead-letter-id";
 
 /// Goes once through the messages waiting in `pipeline`'s dead-letter queue, calls `seen`
 /// with each selected one (in queue order), replays it if `action` says so, and returns the
@@ -74,10 +80,13 @@ pub async fn pass(
         };
         let delivery = got.delivery;
         // The message as the pipeline's plugin saw it: from the pipeline's queue.
-        let letter = DeadLetter::recorded(
-            position,
-            inbound_message(&pipeline.name, pipeline.queue(), false, &delivery),
-        );
+        let message = inbound_message(&pipeline.name, pipeline.queue(), false, &delivery);
+        let id = message
+            .headers
+            .iter()
+            .find(|(name, _)| name == ID_HEADER)
+            .map_or_else(|| digest(&message), |(_, id)| id.clone());
+        let letter = DeadLetter::recorded(position, id, message);
         let receipt = Receipt::of(delivery, &acks, 1);
         if !selection.matches(&letter) {
             kept.push(receipt);
@@ -136,4 +145,19 @@ fn replay_headers(receipt: &Receipt, replays: u64) -> FieldTable {
         AMQPValue::LongLongInt(i64::try_from(replays).unwrap_or(i64::MAX)),
     );
     headers
+}
+
+/// The id of a dead letter without `x-idem-dead-letter-id` (dead-lettered by an older idem): a
+/// digest of what it holds (its headers, `x-idem-rejected-at` among them, and its body), which
+/// two identical dead letters share.
+fn digest(message: &InboundMessage) -> String {
+    let mut hasher = Sha256::new();
+    for (name, value) in &message.headers {
+        hasher.update(name.as_bytes());
+        hasher.update([0]);
+        hasher.update(value.as_bytes());
+        hasher.update([0]);
+    }
+    hasher.update(&message.body);
+    hex::encode(&hasher.finalize()[..12])
 }

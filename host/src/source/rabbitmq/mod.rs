@@ -524,6 +524,10 @@ impl Receipt {
             ShortString::from(REJECTED_AT_HEADER),
             AMQPValue::Timestamp(unix_seconds()),
         );
+        headers.insert(
+            ShortString::from(dead_letters::ID_HEADER),
+            AMQPValue::LongString(LongString::from(hex::encode(rand::random::<[u8; 12]>()))),
+        );
         self.publish_copy(
             channel,
             &queues.dead_letter_queue,

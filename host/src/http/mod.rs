@@ -1,8 +1,16 @@
 //! The HTTP endpoint: `/metrics`, `/healthz`, `/readyz`, and the admin API.
 //!
 //! `/admin/status` lists pipelines with their plugin build; `POST /admin/reload/{pipeline}`
-//! hot-swaps a plugin. When an admin token is configured, `/admin/…` requires
-//! `Authorization: Bearer <token>`; the config refuses a non-loopback address without one.
+//! hot-swaps a plugin; `triage` lists and replays dead letters and parked outbox rows.
+//!
+//! Access: when an admin token is configured, every action (a `POST`) requires
+//! `Authorization: Bearer <token>`, and so does every read when the listener is not a loopback
+//! address (the config refuses such an address without a token). An action that a browser
+//! sends from another site (its `Origin` is not this host) is refused, token or not; nothing
+//! changes state on a `GET`.
+
+mod console;
+mod triage;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -19,7 +27,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::config::HttpConfig;
+use crate::config::{AmqpConfig, HttpConfig};
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use crate::reload::{self, Reloaded};
@@ -29,7 +37,11 @@ struct AppState {
     pipelines: Arc<Vec<Arc<Pipeline>>>,
     metrics: Arc<Metrics>,
     pool: PgPool,
+    /// The broker of RabbitMQ pipelines, for their dead letters.
+    amqp: Option<AmqpConfig>,
     admin_token: Option<Arc<str>>,
+    /// Whether the listener is a loopback address: reads need no token there.
+    loopback: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +57,7 @@ pub async fn serve(
     pipelines: Vec<Arc<Pipeline>>,
     metrics: Arc<Metrics>,
     pool: PgPool,
+    amqp: Option<AmqpConfig>,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, HttpError> {
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -57,20 +70,40 @@ pub async fn serve(
         pipelines: Arc::new(pipelines),
         metrics,
         pool,
+        amqp,
         admin_token: config.admin_token.as_deref().map(Arc::from),
+        loopback: config.listen.ip().is_loopback(),
     };
-    let admin = Router::new()
+    let reads = Router::new()
         .route("/admin/status", get(status))
+        .route("/admin/dead-letters/{pipeline}", get(triage::list))
+        .route("/admin/dead-letters/{pipeline}/{id}", get(triage::show))
+        .route("/admin/outbox", get(triage::outbox_rows))
+        .route_layer(middleware::from_fn_with_state(state.clone(), guard_read));
+    let actions = Router::new()
         .route("/admin/reload/{pipeline}", post(reload_pipeline))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
-    let app = Router::new()
+        .route(
+            "/admin/dead-letters/{pipeline}/replay",
+            post(triage::replay),
+        )
+        .route("/admin/outbox/retry", post(triage::outbox_retry))
+        .route_layer(middleware::from_fn_with_state(state.clone(), guard_action));
+    let mut app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))
-        .merge(admin)
-        .with_state(state);
+        .merge(reads)
+        .merge(actions);
+    if config.console {
+        app = app.merge(console::routes());
+    }
+    let app = app.with_state(state);
     let address = listener.local_addr().unwrap_or(config.listen);
-    info!(%address, "HTTP endpoint listening (/metrics, /healthz, /readyz, /admin).");
+    if config.console {
+        info!(%address, "HTTP endpoint listening: the console at http://{address}/, /metrics, /healthz, /readyz, /admin.");
+    } else {
+        info!(%address, "HTTP endpoint listening (/metrics, /healthz, /readyz, /admin).");
+    }
     Ok(tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(async move { shutdown.cancelled().await })
@@ -81,18 +114,69 @@ pub async fn serve(
     }))
 }
 
-async fn require_token(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if let Some(token) = &state.admin_token {
-        let presented = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.strip_prefix("Bearer "));
-        if !presented.is_some_and(|presented| same_secret(presented, token)) {
-            return (StatusCode::UNAUTHORIZED, "admin token required\n").into_response();
-        }
+/// A read: the token when one is set and the listener is not loopback.
+async fn guard_read(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if !state.loopback && !token_presented(&state, &request) {
+        return token_required();
     }
     next.run(request).await
+}
+
+/// An action: from this host's own pages or a non-browser client, with the token when one is
+/// set.
+async fn guard_action(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if !same_origin(&request) {
+        return (
+            StatusCode::FORBIDDEN,
+            "cross-site request refused: the Origin is not this host\n",
+        )
+            .into_response();
+    }
+    if !token_presented(&state, &request) {
+        return token_required();
+    }
+    next.run(request).await
+}
+
+fn token_required() -> Response {
+    (
+        StatusCode::UNAUTHORIZED,
+        [(header::WWW_AUTHENTICATE, "Bearer")],
+        "admin token required\n",
+    )
+        .into_response()
+}
+
+/// Whether `request` carries the admin token, or none is configured.
+fn token_presented(state: &AppState, request: &Request) -> bool {
+    let Some(token) = &state.admin_token else {
+        return true;
+    };
+    request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .is_some_and(|presented| same_secret(presented, token))
+}
+
+/// Whether a request is not a browser's cross-site one: without `Origin` (curl, scripts) or
+/// with this host's own. A page on another site cannot forge `Origin`.
+fn same_origin(request: &Request) -> bool {
+    let Some(origin) = request.headers().get(header::ORIGIN) else {
+        return true;
+    };
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|value| value.to_str().ok());
+    match (origin.to_str(), host) {
+        (Ok(origin), Some(host)) => origin
+            .strip_prefix("http://")
+            .or_else(|| origin.strip_prefix("https://"))
+            .is_some_and(|origin_host| origin_host.eq_ignore_ascii_case(host)),
+        _ => false,
+    }
 }
 
 /// Compares a presented token with the configured one in time that depends only on their
@@ -168,6 +252,8 @@ async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
                 "queue": pipeline.config.queue(),
                 "dead_letter_queue": pipeline.config.dead_letter(),
                 "consuming": pipeline.consuming.load(Ordering::Relaxed),
+                "workers": pipeline.config.workers.get(),
+                "prefetch": pipeline.config.prefetch.get(),
                 "paused": pipeline.paused().map(|paused| json!({
                     "statement": paused.statement,
                     "sqlstate": paused.sqlstate,
@@ -223,7 +309,44 @@ fn unix_seconds(time: SystemTime) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::same_secret;
+    use super::{same_origin, same_secret};
+
+    fn request(headers: &[(&str, &str)]) -> axum::extract::Request {
+        let mut builder = axum::http::Request::builder()
+            .method("POST")
+            .uri("/admin/x");
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        builder.body(axum::body::Body::empty()).expect("request")
+    }
+
+    #[test]
+    fn actions_from_another_site_are_told_apart() {
+        let host = ("Host", "127.0.0.1:9464");
+        assert!(same_origin(&request(&[host])), "curl sends no Origin");
+        assert!(same_origin(&request(&[
+            host,
+            ("Origin", "http://127.0.0.1:9464")
+        ])));
+        assert!(same_origin(&request(&[
+            host,
+            ("Origin", "https://127.0.0.1:9464")
+        ])));
+        assert!(!same_origin(&request(&[
+            host,
+            ("Origin", "http://evil.example")
+        ])));
+        assert!(!same_origin(&request(&[
+            host,
+            ("Origin", "http://127.0.0.1:9465")
+        ])));
+        assert!(!same_origin(&request(&[host, ("Origin", "null")])));
+        assert!(!same_origin(&request(&[(
+            "Origin",
+            "http://127.0.0.1:9464"
+        )])));
+    }
 
     #[test]
     fn token_comparison() {

@@ -1,0 +1,259 @@
+//! What failed and was kept aside, over HTTP for the console: a pipeline's dead letters
+//! (listed and grouped by error kind and reason, one shown whole, a selection replayed) and the
+//! outbox rows not delivered (parked ones made pending again). The same passes as `idem dlq`
+//! and `idem outbox` (`source::dead_letters`, `store::outbox`).
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::AppState;
+use crate::config::PipelineConfig;
+use crate::source::dead_letters::{self, Action, Selection};
+use crate::store::outbox;
+
+/// Most dead letters one list returns; the page says when there are more.
+const LIST_LIMIT: u64 = 500;
+/// Most outbox rows one list returns.
+const OUTBOX_LIMIT: i64 = 500;
+
+type Answer = (StatusCode, Json<serde_json::Value>);
+
+fn failed(status: StatusCode, error: impl std::fmt::Display) -> Answer {
+    (status, Json(json!({ "error": error.to_string() })))
+}
+
+/// Which dead letters a list or a replay takes; every given filter must match.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Filter {
+    kind: Option<String>,
+    reason: Option<String>,
+    /// Dead-lettered at most this many seconds ago.
+    since_seconds: Option<u64>,
+    /// Only these dead letters, by id.
+    ids: Option<BTreeSet<String>>,
+    limit: Option<u64>,
+    /// Replay: say what would move and move nothing.
+    #[serde(default)]
+    dry_run: bool,
+}
+
+impl Filter {
+    fn selection(self, default_limit: Option<u64>) -> Selection {
+        Selection {
+            kind: self.kind,
+            reason: self.reason,
+            since: self.since_seconds.map(Duration::from_secs),
+            ids: self.ids,
+            limit: self.limit.or(default_limit),
+        }
+    }
+}
+
+fn pipeline_config<'a>(state: &'a AppState, name: &str) -> Result<&'a PipelineConfig, Answer> {
+    state
+        .pipelines
+        .iter()
+        .find(|pipeline| pipeline.name() == name)
+        .map(|pipeline| &pipeline.config)
+        .ok_or_else(|| failed(StatusCode::NOT_FOUND, format!("no pipeline {name:?}")))
+}
+
+/// `GET /admin/dead-letters/{pipeline}?kind=&reason=&since_seconds=&limit=`: the dead letters
+/// oldest first (body previews), and their groups by error kind and reason.
+pub(super) async fn list(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    Query(filter): Query<Filter>,
+) -> Answer {
+    let pipeline = match pipeline_config(&state, &name) {
+        Ok(pipeline) => pipeline,
+        Err(answer) => return answer,
+    };
+    let limit = filter.limit.unwrap_or(LIST_LIMIT).min(LIST_LIMIT);
+    // One more than shown, to know whether there are more.
+    let selection = filter.selection(Some(limit + 1));
+    let mut letters = Vec::new();
+    let passed = dead_letters::pass(
+        state.amqp.as_ref(),
+        pipeline,
+        &selection,
+        Action::Look,
+        |letter| letters.push(letter.clone()),
+    )
+    .await;
+    if let Err(error) = passed {
+        return failed(StatusCode::BAD_GATEWAY, error);
+    }
+    let more = letters.len() as u64 > limit;
+    letters.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+    let groups: Vec<serde_json::Value> = dead_letters::groups(&letters)
+        .into_iter()
+        .map(|group| {
+            json!({
+                "kind": group.kind,
+                "reason": group.reason,
+                "count": group.count,
+                "ids": group.ids,
+                "newest_age_seconds": group.newest.map(|age| age.as_secs()),
+            })
+        })
+        .collect();
+    (
+        StatusCode::OK,
+        Json(json!({
+            "pipeline": name,
+            "source": pipeline.source_kind(),
+            "dead_letter": pipeline.dead_letter(),
+            "queue": pipeline.queue(),
+            "letters": letters.iter().map(|letter| letter.json(false)).collect::<Vec<_>>(),
+            "groups": groups,
+            "more": more,
+        })),
+    )
+}
+
+/// `GET /admin/dead-letters/{pipeline}/{id}`: one dead letter whole, headers and body.
+pub(super) async fn show(
+    State(state): State<AppState>,
+    Path((name, id)): Path<(String, String)>,
+) -> Answer {
+    let pipeline = match pipeline_config(&state, &name) {
+        Ok(pipeline) => pipeline,
+        Err(answer) => return answer,
+    };
+    let selection = Selection {
+        ids: Some(BTreeSet::from([id.clone()])),
+        limit: Some(1),
+        ..Selection::default()
+    };
+    let mut found = None;
+    let passed = dead_letters::pass(
+        state.amqp.as_ref(),
+        pipeline,
+        &selection,
+        Action::Look,
+        |letter| found = Some(letter.json(true)),
+    )
+    .await;
+    match (passed, found) {
+        (Err(error), _) => failed(StatusCode::BAD_GATEWAY, error),
+        (Ok(_), Some(letter)) => (StatusCode::OK, Json(letter)),
+        (Ok(_), None) => failed(
+            StatusCode::NOT_FOUND,
+            format!(
+                "{:?} holds no dead letter {id:?} (replayed meanwhile?)",
+                pipeline.dead_letter()
+            ),
+        ),
+    }
+}
+
+/// `POST /admin/dead-letters/{pipeline}/replay` with a JSON filter (`kind`, `reason`,
+/// `since_seconds`, `ids`, `limit`, `dry_run`): the selected dead letters back to the
+/// pipeline's queue or stream, as `idem dlq replay` does.
+pub(super) async fn replay(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    Json(filter): Json<Filter>,
+) -> Answer {
+    let pipeline = match pipeline_config(&state, &name) {
+        Ok(pipeline) => pipeline,
+        Err(answer) => return answer,
+    };
+    let dry_run = filter.dry_run;
+    let action = if dry_run {
+        Action::Look
+    } else {
+        Action::Replay
+    };
+    let mut ids = Vec::new();
+    let passed = dead_letters::pass(
+        state.amqp.as_ref(),
+        pipeline,
+        &filter.selection(None),
+        action,
+        |letter| ids.push(letter.id.clone()),
+    )
+    .await;
+    let moved = ids.len();
+    match passed {
+        Ok(_) => {
+            if !dry_run {
+                tracing::info!(pipeline = %name, moved, "Dead letters replayed from the console.");
+            }
+            (
+                StatusCode::OK,
+                Json(json!({
+                    "replayed": if dry_run { 0 } else { moved },
+                    "selected": moved,
+                    "ids": ids,
+                    "from": pipeline.dead_letter(),
+                    "to": pipeline.queue(),
+                    "dry_run": dry_run,
+                })),
+            )
+        }
+        // Some may have moved before the failure: say how many were selected.
+        Err(error) => failed(
+            StatusCode::BAD_GATEWAY,
+            format!("{error} ({moved} selected before it stopped)"),
+        ),
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct OutboxFilter {
+    #[serde(default)]
+    parked: bool,
+}
+
+/// `GET /admin/outbox?parked=true`: rows not delivered, oldest first (only parked ones with
+/// `parked`), and the backlog's counts.
+pub(super) async fn outbox_rows(
+    State(state): State<AppState>,
+    Query(filter): Query<OutboxFilter>,
+) -> Answer {
+    let rows = match outbox::undelivered(&state.pool, filter.parked, OUTBOX_LIMIT).await {
+        Ok(rows) => rows,
+        Err(error) => return failed(StatusCode::SERVICE_UNAVAILABLE, error),
+    };
+    let backlog = match outbox::backlog(&state.pool).await {
+        Ok(backlog) => backlog,
+        Err(error) => return failed(StatusCode::SERVICE_UNAVAILABLE, error),
+    };
+    (
+        StatusCode::OK,
+        Json(json!({
+            "pending": backlog.pending,
+            "parked": backlog.parked,
+            "rows": rows.iter().map(outbox::Undelivered::json).collect::<Vec<_>>(),
+        })),
+    )
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct OutboxRetry {
+    destination: Option<String>,
+    id: Option<i64>,
+}
+
+/// `POST /admin/outbox/retry` with `{"destination": …, "id": …}` (both optional): parked rows
+/// pending again with a full set of attempts, as `idem outbox retry` does.
+pub(super) async fn outbox_retry(
+    State(state): State<AppState>,
+    Json(retry): Json<OutboxRetry>,
+) -> Answer {
+    match outbox::retry_parked(&state.pool, retry.destination.as_deref(), retry.id).await {
+        Ok(ids) => (StatusCode::OK, Json(json!({ "retried": ids }))),
+        Err(error) => failed(StatusCode::SERVICE_UNAVAILABLE, error),
+    }
+}

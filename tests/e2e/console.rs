@@ -1,0 +1,376 @@
+//! The operator console as a client sees it over HTTP: served from the binary with a policy
+//! that lets it reach nothing but this host, and gone with `console = false`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use idem_e2e::browser::Browser;
+use idem_e2e::{
+    TestEnv, connect_channel, free_port, http_send, order, pipeline_table, plugin_path, publish,
+    wait_for,
+};
+use idem_host::config::Config;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The status and body of `GET path`.
+async fn get(port: u16, path: &str) -> (u16, String) {
+    http_send(port, "GET", path, &[], None).await
+}
+
+/// The response head (status line and headers) of `GET path`, lower-cased.
+async fn head_of(port: u16, path: &str) -> String {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.expect("read");
+    let response = String::from_utf8_lossy(&response).to_lowercase();
+    response
+        .split_once("\r\n\r\n")
+        .map_or(response.clone(), |(head, _)| head.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_is_served_from_the_binary_and_can_be_turned_off() {
+    let env = TestEnv::new("console_assets").await;
+    for console in [true, false] {
+        let port = free_port();
+        let text = format!(
+            "{}\n[http]\nlisten = \"127.0.0.1:{port}\"\nconsole = {console}\n",
+            env.config_text("loyalty", "")
+        );
+        let config = Config::from_toml(Path::new("/tmp/idem-console.toml"), &text).expect("config");
+        let host = env.start_host(config);
+        wait_for("the HTTP endpoint", Duration::from_secs(30), || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        })
+        .await;
+        let (status, page) = get(port, "/").await;
+        if console {
+            assert_eq!(status, 200, "{page}");
+            assert!(page.contains("<title>idem console</title>"), "{page}");
+            assert!(page.contains("/console.js"), "{page}");
+            let head = head_of(port, "/").await;
+            assert!(
+                head.contains("content-security-policy: default-src 'none'; script-src 'self'")
+                    && head.contains("frame-ancestors 'none'"),
+                "{head}"
+            );
+            for asset in ["/console.js", "/console.css"] {
+                let (status, body) = get(port, asset).await;
+                assert_eq!(status, 200, "{asset}: {body}");
+                assert!(!body.is_empty(), "{asset}");
+            }
+            // Nothing outside this host: no CDN, no remote font, no analytics.
+            for (name, body) in [
+                ("page", page.clone()),
+                ("script", get(port, "/console.js").await.1),
+                ("style", get(port, "/console.css").await.1),
+            ] {
+                assert!(
+                    !body.contains("http://")
+                        && !body.contains("https://")
+                        && !body.contains("//cdn"),
+                    "the {name} names another host"
+                );
+            }
+        } else {
+            assert_eq!(status, 404, "console = false still serves the page: {page}");
+        }
+        let (status, _) = get(port, "/admin/status").await;
+        assert_eq!(status, 200, "the admin API does not depend on the console");
+        host.stop().await.expect("host stops");
+    }
+    env.cleanup().await;
+}
+
+/// `text` as a JavaScript string literal.
+fn js(text: &str) -> String {
+    serde_json::Value::from(text).to_string()
+}
+
+/// The console in Debian's Chromium against a real host serving two pipelines, with an admin
+/// token: the page loads (and fetches nothing from anywhere else), shows both pipelines
+/// consuming with their plugin digests, and the applied-rate chart moves while orders flow; a
+/// reload is an action, so the page asks for the token, then shows the refused build's reason;
+/// three malformed orders show as one group under their reason, replayed they come back
+/// rejected with the same reason; two dead letters whose cause (a constraint) is then fixed
+/// are replayed from the page and applied once. Each view is written to `target/console/`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_in_a_browser() {
+    let env = TestEnv::new("console_browser").await;
+    sqlx::query("ALTER TABLE point_ledger ADD CONSTRAINT small_credits CHECK (points < 100)")
+        .execute(&env.pool)
+        .await
+        .expect("add constraint");
+    let directory = std::env::temp_dir().join(format!("{}-console", env.database));
+    std::fs::create_dir_all(&directory).expect("plugin directory");
+    let slot = directory.join("loyalty.wasm");
+    std::fs::copy(plugin_path("loyalty"), &slot).expect("copy plugin");
+    let digest = {
+        use sha2::Digest;
+        format!(
+            "sha256:{:x}",
+            sha2::Sha256::digest(std::fs::read(&slot).expect("plugin"))
+        )
+    };
+    let (chaos_queue, chaos_dead_letters) = env.extra_queues("chaos").await;
+    let port = free_port();
+    let token = "console-token";
+    let text = format!(
+        "{}{}{}\n[http]\nlisten = \"127.0.0.1:{port}\"\nadmin_token = \"{token}\"\n",
+        env.config_header(),
+        pipeline_table(
+            "loyalty",
+            &env.queue,
+            &env.dead_letter_queue,
+            &slot,
+            "watch = false"
+        ),
+        pipeline_table(
+            "chaos",
+            &chaos_queue,
+            &chaos_dead_letters,
+            &plugin_path("chaos"),
+            "max_attempts = 1"
+        ),
+    );
+    let config = Config::from_toml(&directory.join("pipelines.toml"), &text).expect("config");
+    let host = env.start_host(config);
+    let url = format!("http://127.0.0.1:{port}/");
+    wait_for("the HTTP endpoint", Duration::from_secs(30), || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+    })
+    .await;
+
+    // Orders flow while the page watches.
+    let (connection, channel) = connect_channel().await;
+    let queue = env.queue.clone();
+    let publisher = tokio::spawn(async move {
+        for order_id in 1..=600 {
+            publish(&channel, &queue, &order(order_id, order_id % 7, 1_000)).await;
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        connection
+    });
+    let mut browser = Browser::start().await;
+    let load_ms = browser.goto(&url).await;
+    eprintln!("console: page loaded in {load_ms} ms");
+    assert!(load_ms < 3_000, "the page took {load_ms} ms to load");
+    browser
+        .wait(
+            "[...document.querySelectorAll('#pipeline-table tbody tr')].map(row => row.dataset.state).join() === 'consuming,consuming'",
+            30,
+        )
+        .await;
+    let digests = browser
+        .eval("Object.fromEntries([...document.querySelectorAll('#pipeline-table tbody tr')].map(row => [row.dataset.pipeline, row.querySelector('.digest').textContent]))")
+        .await;
+    assert_eq!(digests["loyalty"], &digest[..19], "{digests}");
+    assert!(
+        digests["chaos"]
+            .as_str()
+            .is_some_and(|shown| shown.starts_with("sha256:")),
+        "{digests}"
+    );
+    let rate = browser
+        .wait(
+            "Number(document.querySelector('canvas[data-pipeline=\"loyalty\"]').dataset.applied) > 0 && document.querySelector('canvas[data-pipeline=\"loyalty\"]').dataset.applied",
+            30,
+        )
+        .await;
+    eprintln!("console: applied rate on the chart {rate}/s");
+    browser
+        .wait(
+            "Number(document.querySelector('canvas[data-pipeline=\"loyalty\"]').dataset.samples) >= 6",
+            30,
+        )
+        .await;
+    browser.screenshot("pipelines").await;
+    let foreign: Vec<String> = browser
+        .requests()
+        .await
+        .into_iter()
+        .filter(|requested| !requested.starts_with(&url))
+        .collect();
+    assert!(foreign.is_empty(), "the page fetched {foreign:?}");
+
+    // A reload is an action: the page asks for the token, then shows why the build is refused.
+    std::fs::write(&slot, b"\0asm this is not a component").expect("break the plugin");
+    browser
+        .click("tr[data-pipeline=\"loyalty\"] button.reload")
+        .await;
+    browser
+        .wait("document.querySelector('#token-dialog').open", 10)
+        .await;
+    browser.screenshot("token").await;
+    browser.fill("#token-input", token).await;
+    browser.click("#token-ok").await;
+    let refused = browser
+        .wait(
+            "document.querySelector('#notice').textContent.includes('reload refused') && document.querySelector('#notice').textContent",
+            15,
+        )
+        .await;
+    assert!(
+        refused
+            .as_str()
+            .is_some_and(|text| text.contains("not a valid")),
+        "{refused}"
+    );
+    browser
+        .wait(
+            "document.querySelector('tr[data-pipeline=\"loyalty\"] .error')?.textContent.includes('last reload refused')",
+            10,
+        )
+        .await;
+    browser.screenshot("hot-swap").await;
+    let connection = publisher.await.expect("publisher");
+    let _ = connection.close(200, "done".into()).await;
+
+    // Three malformed orders: one group under their reason.
+    for order_id in [9001, 9002, 9003] {
+        env.publish(&order(order_id, 1, -5)).await;
+    }
+    let big_credit = |order: i64| {
+        format!(
+            r#"{{"key": "order:{order}", "effects": [{{"statement": "record_ledger", "params": [1, {order}, 500]}}]}}"#
+        )
+    };
+    for order_id in [900_001, 900_002] {
+        publish(&env.channel, &chaos_queue, big_credit(order_id).as_bytes()).await;
+    }
+    wait_for("five dead letters", Duration::from_secs(60), || async {
+        env.ready(&env.dead_letter_queue).await == 3 && env.ready(&chaos_dead_letters).await == 2
+    })
+    .await;
+    let choose = |pipeline: &str| {
+        format!(
+            "(() => {{ const select = document.querySelector('#dl-pipeline'); select.value = {}; select.dispatchEvent(new Event('change')); return true; }})()",
+            js(pipeline)
+        )
+    };
+    let group_of = |count: u32, reason: &str| {
+        format!(
+            "[...document.querySelectorAll('#dl-groups tbody tr')].some(row => row.children[0].textContent === '{count}' && row.children[2].textContent.includes({}))",
+            js(reason)
+        )
+    };
+    browser.click("a[data-view=\"dead-letters\"]").await;
+    browser.eval(&choose("loyalty")).await;
+    browser.wait(&group_of(3, "must not be negative"), 30).await;
+    browser.screenshot("dead-letters").await;
+    browser.click("#dl-letters tbody tr td:nth-child(5)").await;
+    browser
+        .wait(
+            "!document.querySelector('#dl-detail').hidden && document.querySelector('#dl-detail-body').textContent.includes('-5')",
+            15,
+        )
+        .await;
+    browser.screenshot("dead-letter").await;
+
+    // Replayed while still malformed: back under the same reason, once more replayed.
+    browser
+        .click("#dl-groups tbody tr button.replay-group")
+        .await;
+    browser
+        .wait("document.querySelector('#confirm').open", 10)
+        .await;
+    let question = browser
+        .eval("document.querySelector('#confirm-text').textContent")
+        .await;
+    assert!(
+        question
+            .as_str()
+            .is_some_and(|text| text.contains("Replay 3 message(s)")
+                && text.contains(&format!("to {}", env.queue))),
+        "{question}"
+    );
+    browser.click("#confirm-ok").await;
+    browser
+        .wait(
+            "document.querySelector('#notice').textContent.includes('Replayed 3 message(s)')",
+            30,
+        )
+        .await;
+    wait_for(
+        "the three back, rejected again",
+        Duration::from_secs(60),
+        || async {
+            let (_, body) = http_send(port, "GET", "/admin/dead-letters/loyalty", &[], None).await;
+            let listed: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            listed["letters"].as_array().is_some_and(|letters| {
+                letters.len() == 3
+                    && letters.iter().all(|letter| {
+                        letter["replays"] == 1
+                            && letter["reason"]
+                                .as_str()
+                                .is_some_and(|reason| reason.contains("must not be negative"))
+                    })
+            })
+        },
+    )
+    .await;
+
+    // Fixed, then replayed from the page: applied once.
+    sqlx::query("ALTER TABLE point_ledger DROP CONSTRAINT small_credits")
+        .execute(&env.pool)
+        .await
+        .expect("drop constraint");
+    browser.eval(&choose("chaos")).await;
+    browser.wait(&group_of(2, "small_credits"), 30).await;
+    browser
+        .click("#dl-groups tbody tr button.replay-group")
+        .await;
+    browser
+        .wait("document.querySelector('#confirm').open", 10)
+        .await;
+    browser.click("#confirm-ok").await;
+    browser
+        .wait(
+            "document.querySelector('#notice').textContent.includes('Replayed 2 message(s)')",
+            30,
+        )
+        .await;
+    wait_for("the two applied", Duration::from_secs(30), || async {
+        env.count("SELECT count(*) FROM point_ledger WHERE order_id > 900000")
+            .await
+            == 2
+    })
+    .await;
+    assert_eq!(env.ready(&chaos_dead_letters).await, 0);
+
+    browser.click("a[data-view=\"outbox\"]").await;
+    browser
+        .wait(
+            "document.querySelector('#outbox-summary').textContent.includes('pending')",
+            15,
+        )
+        .await;
+    browser.screenshot("outbox").await;
+    // The refused actions (401, then 422) are logged by Chromium as failed loads; anything
+    // else is a script error.
+    let errors: Vec<String> = browser
+        .errors()
+        .await
+        .into_iter()
+        .filter(|error| !error.starts_with("Failed to load resource"))
+        .collect();
+    assert!(errors.is_empty(), "script errors: {errors:?}");
+    browser.close().await;
+    host.stop().await.expect("host stops");
+    assert_eq!(
+        env.count("SELECT count(DISTINCT order_id) FROM point_ledger WHERE order_id <= 600")
+            .await,
+        600
+    );
+    let _ = std::fs::remove_dir_all(&directory);
+    env.cleanup().await;
+}
