@@ -84,9 +84,52 @@ async fn the_console_is_served_from_the_binary_and_can_be_turned_off() {
         }
         let (status, _) = get(port, "/admin/status").await;
         assert_eq!(status, 200, "the admin API does not depend on the console");
+        // The last minutes, kept by the host: counters, and the queue's depths.
+        let started = std::time::Instant::now();
+        let history = loop {
+            let (_, body) = get(port, "/admin/history").await;
+            let history: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            if history["depths"]["loyalty"]["waiting"].is_u64() {
+                break history;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "no depths after 30 s: {history}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(history["depths"]["loyalty"]["dead_letters"], 0, "{history}");
+        assert!(
+            history["samples"][0]["pipelines"]["loyalty"]["applied"].is_u64(),
+            "{history}"
+        );
         host.stop().await.expect("host stops");
     }
     env.cleanup().await;
+}
+
+/// Clicks the one group's replay button, confirms, and waits for the page to say that `count`
+/// messages were replayed; the confirmation's question.
+async fn replay_the_group(browser: &mut Browser, count: u32) -> String {
+    browser
+        .click("#dl-groups tbody tr button.replay-group")
+        .await;
+    browser
+        .wait("document.querySelector('#confirm').open", 10)
+        .await;
+    let question = browser
+        .eval("document.querySelector('#confirm-text').textContent")
+        .await;
+    browser.click("#confirm-ok").await;
+    browser
+        .wait(
+            &format!(
+                "document.querySelector('#notice').textContent.includes('Replayed {count} message(s)')"
+            ),
+            30,
+        )
+        .await;
+    question.as_str().unwrap_or_default().to_string()
 }
 
 /// `text` as a JavaScript string literal.
@@ -193,7 +236,22 @@ async fn the_console_in_a_browser() {
             30,
         )
         .await;
+    browser
+        .wait(
+            "document.querySelector('tr[data-pipeline=\"loyalty\"] td.depth').textContent.includes('dead letters')",
+            30,
+        )
+        .await;
     browser.screenshot("pipelines").await;
+    // Opened again, the page draws the host's own last minutes at once.
+    browser.goto(&url).await;
+    let seeded = browser
+        .wait(
+            "Number(document.querySelector('canvas[data-pipeline=\"loyalty\"]')?.dataset.samples) >= 3 && document.querySelector('canvas[data-pipeline=\"loyalty\"]').dataset.samples",
+            5,
+        )
+        .await;
+    eprintln!("console: {seeded} samples drawn right after loading");
     let foreign: Vec<String> = browser
         .requests()
         .await
@@ -277,29 +335,11 @@ async fn the_console_in_a_browser() {
     browser.screenshot("dead-letter").await;
 
     // Replayed while still malformed: back under the same reason, once more replayed.
-    browser
-        .click("#dl-groups tbody tr button.replay-group")
-        .await;
-    browser
-        .wait("document.querySelector('#confirm').open", 10)
-        .await;
-    let question = browser
-        .eval("document.querySelector('#confirm-text').textContent")
-        .await;
+    let question = replay_the_group(&mut browser, 3).await;
     assert!(
-        question
-            .as_str()
-            .is_some_and(|text| text.contains("Replay 3 message(s)")
-                && text.contains(&format!("to {}", env.queue))),
+        question.contains("Replay 3 message(s)") && question.contains(&format!("to {}", env.queue)),
         "{question}"
     );
-    browser.click("#confirm-ok").await;
-    browser
-        .wait(
-            "document.querySelector('#notice').textContent.includes('Replayed 3 message(s)')",
-            30,
-        )
-        .await;
     wait_for(
         "the three back, rejected again",
         Duration::from_secs(60),
@@ -326,19 +366,7 @@ async fn the_console_in_a_browser() {
         .expect("drop constraint");
     browser.eval(&choose("chaos")).await;
     browser.wait(&group_of(2, "small_credits"), 30).await;
-    browser
-        .click("#dl-groups tbody tr button.replay-group")
-        .await;
-    browser
-        .wait("document.querySelector('#confirm').open", 10)
-        .await;
-    browser.click("#confirm-ok").await;
-    browser
-        .wait(
-            "document.querySelector('#notice').textContent.includes('Replayed 2 message(s)')",
-            30,
-        )
-        .await;
+    replay_the_group(&mut browser, 2).await;
     wait_for("the two applied", Duration::from_secs(30), || async {
         env.count("SELECT count(*) FROM point_ledger WHERE order_id > 900000")
             .await

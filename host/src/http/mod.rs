@@ -10,6 +10,7 @@
 //! changes state on a `GET`.
 
 mod console;
+mod history;
 mod triage;
 
 use std::sync::Arc;
@@ -42,6 +43,7 @@ struct AppState {
     admin_token: Option<Arc<str>>,
     /// Whether the listener is a loopback address: reads need no token there.
     loopback: bool,
+    history: Arc<history::History>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -66,16 +68,29 @@ pub async fn serve(
             address: config.listen,
             source,
         })?;
+    let pipelines = Arc::new(pipelines);
+    let history = history::History::spawn(
+        Arc::clone(&pipelines),
+        Arc::clone(&metrics),
+        amqp.clone(),
+        pool.clone(),
+        shutdown.clone(),
+    );
     let state = AppState {
-        pipelines: Arc::new(pipelines),
+        pipelines,
         metrics,
         pool,
+        history,
         amqp,
         admin_token: config.admin_token.as_deref().map(Arc::from),
         loopback: config.listen.ip().is_loopback(),
     };
     let reads = Router::new()
         .route("/admin/status", get(status))
+        .route(
+            "/admin/history",
+            get(|State(state): State<AppState>| async move { Json(state.history.json()) }),
+        )
         .route("/admin/dead-letters/{pipeline}", get(triage::list))
         .route("/admin/dead-letters/{pipeline}/{id}", get(triage::show))
         .route("/admin/outbox", get(triage::outbox_rows))

@@ -68,6 +68,34 @@ pub fn unix_seconds() -> u64 {
         .map_or(0, |elapsed| elapsed.as_secs())
 }
 
+/// What a pipeline's source holds for it, as far as the broker says.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Depths {
+    /// Messages waiting to be delivered (RabbitMQ: ready; JetStream: the consumer's pending).
+    pub waiting: u64,
+    /// Delivered and not settled yet (JetStream only: RabbitMQ does not say).
+    pub unacknowledged: Option<u64>,
+    /// Messages kept aside (the dead-letter queue, or the dead-letter stream: every pipeline's
+    /// that share it). `None` when it does not exist yet.
+    pub dead_letters: Option<u64>,
+}
+
+/// Looks up `pipeline`'s depths with a connection of its own (`amqp` for a RabbitMQ source).
+pub async fn depths(
+    amqp: Option<&crate::config::AmqpConfig>,
+    pipeline: &PipelineConfig,
+) -> Result<Depths, SourceError> {
+    match &pipeline.source {
+        crate::config::SourceConfig::RabbitMq(source) => {
+            let amqp = amqp.ok_or_else(|| AmqpError::NotConfigured {
+                pipeline: pipeline.name.clone(),
+            })?;
+            Ok(rabbitmq::depths(amqp, source).await?)
+        }
+        crate::config::SourceConfig::JetStream(source) => Ok(jetstream::depths(source).await?),
+    }
+}
+
 /// Why a source stopped or could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {

@@ -5,8 +5,8 @@
 
 const OUTCOMES = ["applied", "duplicate", "stale", "skipped", "rejected", "retried"];
 const POLL_MS = 2000;
-const HISTORY = 150; // samples kept per pipeline: 5 minutes at POLL_MS
-const MIN_SPAN = 30; // the chart's narrowest span, in samples: 1 minute
+const WINDOW_MS = 5 * 60 * 1000; // the charts' span once the host has run that long
+const MIN_SPAN_MS = 60 * 1000; // their narrowest span
 const TOKEN_KEY = "idem-admin-token";
 
 const $ = (selector) => document.querySelector(selector);
@@ -88,8 +88,25 @@ async function api(method, path, body) {
 
 // --- pipelines --------------------------------------------------------------------------
 
-const history = new Map(); // pipeline -> [{at, counts: {outcome: n}}]
+const history = new Map(); // pipeline -> [{at (ms), counts: {outcome: n}}], oldest first
+let depths = {}; // pipeline -> the last depths the host read from the broker; OUTBOX -> its backlog
+const OUTBOX = "(outbox)";
 let pipelines = [];
+
+/** Seeds the charts with the host's own last minutes (`/admin/history`), and the depths. */
+async function readHistory(seed) {
+  const { status, body } = await api("GET", "/admin/history");
+  if (status !== 200) return;
+  depths = body.depths;
+  if (!seed) return;
+  for (const sample of body.samples) {
+    for (const [name, counts] of Object.entries(sample.pipelines)) {
+      const samples = history.get(name) || [];
+      samples.push({ at: sample.at * 1000, counts });
+      history.set(name, samples);
+    }
+  }
+}
 
 /** Counters of the Prometheus text: {pipeline: {outcome: n}} and {pipeline: {sqlstate: n}}. */
 function parseMetrics(text) {
@@ -126,8 +143,9 @@ function drawChart(canvas, samples) {
     });
   }
   const top = Math.max(1, ...rates.flat());
-  // At least a minute wide, so the first samples make a line; five minutes once full.
-  const step = width / (Math.max(samples.length, MIN_SPAN) - 1);
+  const now = Date.now();
+  const span = Math.min(WINDOW_MS, Math.max(MIN_SPAN_MS, now - (samples[0]?.at ?? now)));
+  const x = (at) => width - ((now - at) / span) * width;
   const style = getComputedStyle(document.documentElement);
   OUTCOMES.forEach((outcome, index) => {
     const series = rates[index];
@@ -136,9 +154,8 @@ function drawChart(canvas, samples) {
     context.lineWidth = 1.5;
     context.beginPath();
     series.forEach((rate, i) => {
-      const x = width - (series.length - 1 - i) * step;
       const y = height - 2 - (rate / top) * (height - 4);
-      if (i === 0) context.moveTo(x, y); else context.lineTo(x, y);
+      if (i === 0) context.moveTo(x(samples[i + 1].at), y); else context.lineTo(x(samples[i + 1].at), y);
     });
     context.stroke();
   });
@@ -162,12 +179,20 @@ function pipelineRow(pipeline, totals, retries) {
     : pipeline.last_reload_at ? el("div", { class: "muted" }, `last reload ${new Date(pipeline.last_reload_at * 1000).toLocaleTimeString()}`) : null;
   const canvas = el("canvas", { class: "chart", "data-pipeline": pipeline.name });
   const retryText = Object.entries(retries || {}).map(([state, count]) => `${state}: ${count}`).join(", ") || "0";
+  const depth = depths[pipeline.name];
+  const depthText = !depth ? "-" : depth.error ? null : [
+    `waiting ${depth.waiting}`,
+    depth.unacknowledged === null ? null : `unacked ${depth.unacknowledged}`,
+    `dead letters ${depth.dead_letters ?? 0}`,
+  ].filter(Boolean).join(" · ");
   const row = el("tr", { "data-pipeline": pipeline.name, "data-state": state },
     el("td", {}, el("strong", {}, pipeline.name)),
     el("td", {}, `${pipeline.source} `, el("span", { class: "mono" }, pipeline.queue),
       el("div", { class: "muted" }, "dead letters: ", el("span", { class: "mono" }, pipeline.dead_letter_queue))),
     el("td", {}, el("span", { class: `state-${state}` }, state), why ? el("div", { class: "error" }, why) : null),
     el("td", { class: "num" }, pipeline.workers ?? "-"),
+    el("td", { class: "depth" }, depthText ?? el("span", { class: "error" }, depth.error),
+      depth ? el("div", { class: "muted" }, `read ${new Date(depth.at * 1000).toLocaleTimeString()}`) : null),
     el("td", {}, el("span", { class: "mono digest", title: plugin.path }, plugin.digest.slice(0, 19)),
       el("div", { class: "muted" }, `loaded ${loaded}`), reload),
     el("td", {}, canvas),
@@ -179,12 +204,15 @@ function pipelineRow(pipeline, totals, retries) {
 }
 
 async function refreshPipelines() {
-  const [status, metricsResponse, ready] = await Promise.all([
+  const [status, , metricsResponse, ready] = await Promise.all([
     api("GET", "/admin/status"),
+    readHistory(false),
     fetch("/metrics").then((response) => response.text()).catch(() => ""),
     fetch("/readyz").then((response) => response.json()).catch(() => ({ ready: false, problems: ["no answer"] })),
   ]);
-  $("#health").textContent = ready.ready ? "ready" : `not ready: ${(ready.problems || []).join("; ")}`;
+  const outbox = depths[OUTBOX];
+  const backlog = outbox && !outbox.error ? ` · outbox: ${outbox.pending} pending, ${outbox.parked} parked` : "";
+  $("#health").textContent = (ready.ready ? "ready" : `not ready: ${(ready.problems || []).join("; ")}`) + backlog;
   $("#health").className = ready.ready ? "muted" : "error";
   if (status.status !== 200) {
     notice(`status: ${status.body.error || status.status}`, true);
@@ -199,7 +227,7 @@ async function refreshPipelines() {
     const counts = outcomes[pipeline.name] || {};
     const samples = history.get(pipeline.name) || [];
     samples.push({ at: now, counts });
-    if (samples.length > HISTORY) samples.shift();
+    while (samples.length && samples[0].at < now - WINDOW_MS) samples.shift();
     history.set(pipeline.name, samples);
     const { row, canvas } = pipelineRow(pipeline, counts, retries[pipeline.name]);
     body.append(row);
@@ -367,6 +395,7 @@ document.addEventListener("DOMContentLoaded", async () => {
   $("#dl-detail-close").addEventListener("click", () => { $("#dl-detail").hidden = true; });
   $("#outbox-refresh").addEventListener("click", refreshOutbox);
   $("#token-button").addEventListener("click", () => askToken("The admin token, kept for this browser session only."));
+  await readHistory(true);
   await refreshPipelines();
   route();
   setInterval(refreshPipelines, POLL_MS);

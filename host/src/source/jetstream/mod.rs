@@ -530,6 +530,26 @@ pub async fn inspect(source: &JetStreamSource) -> Result<Found, JetStreamError> 
     })
 }
 
+/// The consumer's pending and unacknowledged counts and the dead-letter stream's messages.
+pub async fn depths(source: &JetStreamSource) -> Result<source::Depths, JetStreamError> {
+    let context = jetstream::new(connect(source, "idem depths".into()).await?);
+    let Some(mut consumer) = find_consumer(&context, source).await? else {
+        return Err(must_exist(source, "consumer", &source.consumer));
+    };
+    let info = consumer
+        .info()
+        .await
+        .map_err(|error| request_error("read", &source.consumer, error))?;
+    let dead_letters = find_stream(&context, &source.dead_letter_stream)
+        .await?
+        .map(|stream| stream.cached_info().state.messages);
+    Ok(source::Depths {
+        waiting: info.num_pending,
+        unacknowledged: Some(info.num_ack_pending as u64),
+        dead_letters,
+    })
+}
+
 fn request_error(
     action: &'static str,
     name: &str,

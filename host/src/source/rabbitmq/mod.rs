@@ -389,6 +389,34 @@ pub async fn queue_depth(amqp: &AmqpConfig, queue: &str) -> Result<Option<QueueD
     }))
 }
 
+/// Messages ready in `source`'s queue and in its dead-letter queue, over one connection.
+pub async fn depths(
+    amqp: &AmqpConfig,
+    source: &RabbitMqSource,
+) -> Result<source::Depths, AmqpError> {
+    let (connection, channel) = connect_channel(amqp, "depths").await?;
+    let waiting = topology::inspect(&channel, &source.queue).await;
+    // A failed passive declare closes the channel: the dead-letter queue gets its own.
+    let dead_letters = match connection.create_channel().await {
+        Ok(channel) => topology::inspect(&channel, &source.dead_letter_queue)
+            .await
+            .ok()
+            .map(|declared| u64::from(declared.message_count())),
+        Err(_) => None,
+    };
+    let _ = connection.close(200, ShortString::from("done")).await;
+    let waiting = waiting.map_err(|error| AmqpError::Topology {
+        action: "inspect",
+        queue: source.queue.clone(),
+        source: error,
+    })?;
+    Ok(source::Depths {
+        waiting: u64::from(waiting.message_count()),
+        unacknowledged: None,
+        dead_letters,
+    })
+}
+
 /// Splits a delivery from `pipeline`'s queue into what the plugin sees and what the host
 /// keeps to settle it through `acks`, its channel's ack owner. Call in delivery order.
 pub fn receive(

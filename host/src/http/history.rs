@@ -1,0 +1,187 @@
+//! The last minutes of each pipeline, kept while the host runs so that the console shows them
+//! as soon as it is opened: the outcome counters every `EVERY`, and what the source holds
+//! (waiting, unacknowledged, dead letters) every `DEPTHS_EVERY`, asked of the broker with a
+//! connection of its own, never once per page view; with them, the outbox backlog.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::AmqpConfig;
+use crate::metrics::Metrics;
+use crate::pipeline::Pipeline;
+use crate::source::{self, Depths};
+use crate::store::outbox;
+
+/// The key the outbox backlog is kept under, beside the pipelines' depths.
+const OUTBOX: &str = "(outbox)";
+
+/// How often the counters are sampled.
+const EVERY: Duration = Duration::from_secs(5);
+/// How often the broker is asked for depths.
+const DEPTHS_EVERY: Duration = Duration::from_secs(15);
+/// Samples kept: five minutes.
+const KEPT: usize = 60;
+/// The outcomes charted, in the order the console draws them.
+const OUTCOMES: [&str; 6] = [
+    "applied",
+    "duplicate",
+    "stale",
+    "skipped",
+    "rejected",
+    "retried",
+];
+
+/// One sample: when, and each pipeline's outcome counters (in `OUTCOMES` order).
+struct Sample {
+    at: f64,
+    counts: BTreeMap<String, [u64; 6]>,
+}
+
+/// The last depths of a pipeline (or the outbox backlog), or why they could not be read.
+struct Depth {
+    at: f64,
+    read: Result<serde_json::Value, String>,
+}
+
+fn depths_json(depths: Depths) -> serde_json::Value {
+    json!({
+        "waiting": depths.waiting,
+        "unacknowledged": depths.unacknowledged,
+        "dead_letters": depths.dead_letters,
+    })
+}
+
+#[derive(Default)]
+pub(super) struct History {
+    samples: Mutex<VecDeque<Sample>>,
+    depths: Mutex<BTreeMap<String, Depth>>,
+}
+
+fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |elapsed| elapsed.as_secs_f64())
+}
+
+impl History {
+    /// Samples `pipelines` until `shutdown`.
+    pub(super) fn spawn(
+        pipelines: Arc<Vec<Arc<Pipeline>>>,
+        metrics: Arc<Metrics>,
+        amqp: Option<AmqpConfig>,
+        pool: sqlx::PgPool,
+        shutdown: CancellationToken,
+    ) -> Arc<History> {
+        let history = Arc::new(History::default());
+        let kept = Arc::clone(&history);
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(EVERY);
+            let mut depths_due = SystemTime::UNIX_EPOCH;
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    _ = ticks.tick() => {}
+                }
+                kept.sample(&pipelines, &metrics);
+                if SystemTime::now() >= depths_due {
+                    depths_due = SystemTime::now() + DEPTHS_EVERY;
+                    for pipeline in pipelines.iter() {
+                        let read = tokio::time::timeout(
+                            Duration::from_secs(10),
+                            source::depths(amqp.as_ref(), &pipeline.config),
+                        )
+                        .await
+                        .map_err(|_| "no answer within 10 s".to_string())
+                        .and_then(|read| read.map(depths_json).map_err(|error| error.to_string()));
+                        kept.keep(pipeline.name(), read);
+                    }
+                    let backlog = outbox::backlog(&pool)
+                        .await
+                        .map(|backlog| json!({ "pending": backlog.pending, "parked": backlog.parked }))
+                        .map_err(|error| error.to_string());
+                    kept.keep(OUTBOX, backlog);
+                }
+            }
+        });
+        history
+    }
+
+    fn keep(&self, name: &str, read: Result<serde_json::Value, String>) {
+        if let Ok(mut depths) = self.depths.lock() {
+            depths.insert(name.to_string(), Depth { at: now(), read });
+        }
+    }
+
+    fn sample(&self, pipelines: &[Arc<Pipeline>], metrics: &Metrics) {
+        let counts = pipelines
+            .iter()
+            .map(|pipeline| {
+                let name = pipeline.name();
+                (
+                    name.to_string(),
+                    OUTCOMES.map(|outcome| metrics.messages(name, outcome)),
+                )
+            })
+            .collect();
+        if let Ok(mut samples) = self.samples.lock() {
+            samples.push_back(Sample { at: now(), counts });
+            while samples.len() > KEPT {
+                samples.pop_front();
+            }
+        }
+    }
+
+    /// `GET /admin/history`: the samples, oldest first, and the last depths.
+    pub(super) fn json(&self) -> serde_json::Value {
+        let samples: Vec<serde_json::Value> = self
+            .samples
+            .lock()
+            .map(|samples| {
+                samples
+                    .iter()
+                    .map(|sample| {
+                        let pipelines: serde_json::Map<String, serde_json::Value> = sample
+                            .counts
+                            .iter()
+                            .map(|(name, counts)| {
+                                let counts: serde_json::Map<String, serde_json::Value> = OUTCOMES
+                                    .iter()
+                                    .zip(counts)
+                                    .map(|(outcome, count)| (outcome.to_string(), json!(count)))
+                                    .collect();
+                                (name.clone(), serde_json::Value::Object(counts))
+                            })
+                            .collect();
+                        json!({ "at": sample.at, "pipelines": pipelines })
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let depths: serde_json::Map<String, serde_json::Value> = self
+            .depths
+            .lock()
+            .map(|depths| {
+                depths
+                    .iter()
+                    .map(|(name, depth)| {
+                        let mut shown = match &depth.read {
+                            Ok(read) => read.clone(),
+                            Err(error) => json!({ "error": error }),
+                        };
+                        shown["at"] = json!(depth.at);
+                        (name.clone(), shown)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        json!({
+            "interval_seconds": EVERY.as_secs(),
+            "samples": samples,
+            "depths": depths,
+        })
+    }
+}
