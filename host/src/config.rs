@@ -1193,20 +1193,8 @@ impl RawSource {
         }
         let mut tls = self.tls;
         if let Some(tls) = &mut tls {
-            if tls.cert_file.is_some() != tls.key_file.is_some() {
-                return Err(at(
-                    None,
-                    "tls",
-                    "cert_file and key_file go together (the client certificate and its key)"
-                        .into(),
-                ));
-            }
-            for path in [&mut tls.ca_file, &mut tls.cert_file, &mut tls.key_file]
-                .into_iter()
-                .flatten()
-            {
-                *path = base_dir.join(&*path);
-            }
+            tls.resolve(base_dir)
+                .map_err(|problem| at(None, "tls", problem.into()))?;
         }
         let consumer = self.consumer.unwrap_or_else(|| format!("idem-{pipeline}"));
         if !name_ok(&consumer) {
@@ -1456,20 +1444,27 @@ fn checked_amqp(mut amqp: AmqpConfig, base_dir: &Path) -> Result<AmqpConfig, Str
                 redact_url(&amqp.url)
             ));
         }
-        if tls.cert_file.is_some() != tls.key_file.is_some() {
-            return Err(
-                "tls: cert_file and key_file go together (the client certificate and its key)"
-                    .into(),
-            );
+        tls.resolve(base_dir)
+            .map_err(|problem| format!("tls: {problem}"))?;
+    }
+    Ok(amqp)
+}
+
+impl ClientTls {
+    /// Checks that the client certificate comes with its key, and resolves the paths against
+    /// the config file's directory.
+    fn resolve(&mut self, base_dir: &Path) -> Result<(), &'static str> {
+        if self.cert_file.is_some() != self.key_file.is_some() {
+            return Err("cert_file and key_file go together (the client certificate and its key)");
         }
-        for path in [&mut tls.ca_file, &mut tls.cert_file, &mut tls.key_file]
+        for path in [&mut self.ca_file, &mut self.cert_file, &mut self.key_file]
             .into_iter()
             .flatten()
         {
             *path = base_dir.join(&*path);
         }
+        Ok(())
     }
-    Ok(amqp)
 }
 
 fn default_true() -> bool {

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use idem_e2e::tls::{self, Pki, TlsProxy};
-use idem_e2e::{TestEnv, amqp_url, idem_binary, must_refuse, order, wait_for};
+use idem_e2e::{TestEnv, amqp_url, idem_binary, order, run_and_check_refuse, wait_for};
 
 /// `?sslmode=require`: every host session is encrypted (the local server has `ssl = on`),
 /// and orders are credited.
@@ -66,10 +66,7 @@ async fn an_untrusted_server_certificate_stops_the_host() {
     );
     let config = directory.join("pipelines.toml");
     std::fs::write(&config, with_database_url(&env, &url)).expect("write config");
-    for command in ["run", "check"] {
-        let output = must_refuse(command, &config);
-        assert!(output.contains("sslrootcert"), "idem {command}: {output}");
-    }
+    run_and_check_refuse(&config, "sslrootcert", "foreign CA");
     let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;
 }
@@ -89,13 +86,11 @@ async fn an_unknown_database_stops_the_host() {
         ),
     )
     .expect("write config");
-    for command in ["run", "check"] {
-        let output = must_refuse(command, &config);
-        assert!(
-            output.contains("database name in [database] url"),
-            "idem {command}: {output}"
-        );
-    }
+    run_and_check_refuse(
+        &config,
+        "database name in [database] url",
+        "unknown database",
+    );
     let _ = std::fs::remove_file(&config);
     env.cleanup().await;
 }
@@ -198,14 +193,7 @@ async fn amqps_certificate_faults_stop_the_host() {
     ] {
         let config_path = directory.join("pipelines.toml");
         std::fs::write(&config_path, with_amqp(&env, &amqp)).expect("write config");
-        for command in ["run", "check"] {
-            let output = must_refuse(command, &config_path);
-            assert!(
-                output.contains("[amqp.tls]"),
-                "{case}: idem {command}: {output}"
-            );
-            eprintln!("{case}: idem {command}: {}", output.trim());
-        }
+        run_and_check_refuse(&config_path, "[amqp.tls]", case);
     }
     let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;
@@ -297,14 +285,7 @@ async fn postgres_tls_verifies_the_server_and_presents_a_client_certificate() {
         ),
     ] {
         std::fs::write(&config_path, with_database_url(&env, &url)).expect("write config");
-        for command in ["run", "check"] {
-            let output = must_refuse(command, &config_path);
-            assert!(
-                output.contains("sslrootcert, sslcert and sslkey"),
-                "{case}: idem {command}: {output}"
-            );
-            eprintln!("{case}: idem {command}: {}", output.trim());
-        }
+        run_and_check_refuse(&config_path, "sslrootcert, sslcert and sslkey", case);
     }
     let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use idem_e2e::jetstream::{NatsServer, TestStream};
 use idem_e2e::tls::{self, Pki};
 use idem_e2e::{
-    TestEnv, free_port, must_refuse, order, pipeline_table, plugin_path, spawn_idem, wait_for,
+    TestEnv, free_port, must_refuse, order, pipeline_table, plugin_path, run_and_check_refuse,
+    spawn_idem, wait_for,
 };
 use idem_host::config::Config;
 
@@ -598,14 +599,7 @@ async fn a_stream_over_mutual_tls_and_its_certificate_faults() {
         ("no client certificate", tls_keys(&pki.ca, None)),
     ] {
         write(&keys);
-        for command in ["run", "check"] {
-            let output = must_refuse(command, &config_path);
-            assert!(
-                output.contains("pipelines.loyalty.source.tls"),
-                "{case}: idem {command}: {output}"
-            );
-            eprintln!("{case}: idem {command}: {}", output.trim());
-        }
+        run_and_check_refuse(&config_path, "pipelines.loyalty.source.tls", case);
     }
 
     // A credentials file that cannot be read is the operator's to fix, not an outage.

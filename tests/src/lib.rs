@@ -462,6 +462,16 @@ pub fn must_refuse(command: &str, config: &Path) -> String {
     )
 }
 
+/// `idem run` and `idem check` with `config` both exit non-zero within 10 s, their output
+/// naming `setting`: a fault no retry fixes (`case` says which, in the messages).
+pub fn run_and_check_refuse(config: &Path, setting: &str, case: &str) {
+    for command in ["run", "check"] {
+        let output = must_refuse(command, config);
+        assert!(output.contains(setting), "{case}: idem {command}: {output}");
+        eprintln!("{case}: idem {command}: {}", output.trim());
+    }
+}
+
 /// Starts `idem run` as a child process with extra environment variables.
 pub fn spawn_idem(config: &Path, env: &[(&str, &str)]) -> IdemProcess {
     let mut command = Command::new(idem_binary());

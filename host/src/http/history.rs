@@ -1,15 +1,17 @@
 //! The last minutes of each pipeline, kept while the host runs so that the console shows them
-//! as soon as it is opened: the outcome counters every `EVERY`, and what the source holds
-//! (waiting, unacknowledged, dead letters) every `DEPTHS_EVERY`, asked of the broker with a
-//! connection of its own, never once per page view; with them, the outbox backlog.
+//! as soon as it is opened: the outcome counters every `EVERY` (in memory, always), and what
+//! the source holds (waiting, unacknowledged, dead letters) with the outbox backlog every
+//! `DEPTHS_EVERY` while someone reads `/admin/history`, asked of the broker with a connection
+//! of its own: never once per page view, and no broker connections when nobody looks.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+use super::unix_seconds;
 use crate::config::AmqpConfig;
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
@@ -21,8 +23,10 @@ const OUTBOX: &str = "(outbox)";
 
 /// How often the counters are sampled.
 const EVERY: Duration = Duration::from_secs(5);
-/// How often the broker is asked for depths.
+/// How often the broker is asked for depths, while someone reads the history.
 const DEPTHS_EVERY: Duration = Duration::from_secs(15);
+/// How long after the last read of the history depths are still asked for.
+const WATCHED_FOR: Duration = Duration::from_secs(60);
 /// Samples kept: five minutes.
 const KEPT: usize = 60;
 /// The outcomes charted, in the order the console draws them.
@@ -59,12 +63,12 @@ fn depths_json(depths: Depths) -> serde_json::Value {
 pub(super) struct History {
     samples: Mutex<VecDeque<Sample>>,
     depths: Mutex<BTreeMap<String, Depth>>,
+    /// When `/admin/history` was last read.
+    read_at: Mutex<Option<Instant>>,
 }
 
 fn now() -> f64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0.0, |elapsed| elapsed.as_secs_f64())
+    unix_seconds(SystemTime::now())
 }
 
 impl History {
@@ -80,15 +84,15 @@ impl History {
         let kept = Arc::clone(&history);
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(EVERY);
-            let mut depths_due = SystemTime::UNIX_EPOCH;
+            let mut depths_due = Instant::now();
             loop {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     _ = ticks.tick() => {}
                 }
                 kept.sample(&pipelines, &metrics);
-                if SystemTime::now() >= depths_due {
-                    depths_due = SystemTime::now() + DEPTHS_EVERY;
+                if kept.watched() && Instant::now() >= depths_due {
+                    depths_due = Instant::now() + DEPTHS_EVERY;
                     for pipeline in pipelines.iter() {
                         let read = tokio::time::timeout(
                             Duration::from_secs(10),
@@ -108,6 +112,13 @@ impl History {
             }
         });
         history
+    }
+
+    /// Whether someone read the history within `WATCHED_FOR`.
+    fn watched(&self) -> bool {
+        self.read_at
+            .lock()
+            .is_ok_and(|read_at| read_at.is_some_and(|at| at.elapsed() < WATCHED_FOR))
     }
 
     fn keep(&self, name: &str, read: Result<serde_json::Value, String>) {
@@ -135,8 +146,12 @@ impl History {
         }
     }
 
-    /// `GET /admin/history`: the samples, oldest first, and the last depths.
+    /// `GET /admin/history`: the samples, oldest first, and the last depths. A read keeps the
+    /// depths coming for `WATCHED_FOR`.
     pub(super) fn json(&self) -> serde_json::Value {
+        if let Ok(mut read_at) = self.read_at.lock() {
+            *read_at = Some(Instant::now());
+        }
         let samples: Vec<serde_json::Value> = self
             .samples
             .lock()

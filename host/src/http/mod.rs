@@ -46,6 +46,24 @@ struct AppState {
     history: Arc<history::History>,
 }
 
+/// A JSON answer with its status.
+type Answer = (StatusCode, Json<serde_json::Value>);
+
+/// An error answer: `{"error": …}` with `status`.
+fn failed(status: StatusCode, error: impl std::fmt::Display) -> Answer {
+    (status, Json(json!({ "error": error.to_string() })))
+}
+
+impl AppState {
+    /// The pipeline named `name`, or a 404 answer.
+    fn pipeline(&self, name: &str) -> Result<&Arc<Pipeline>, Answer> {
+        self.pipelines
+            .iter()
+            .find(|pipeline| pipeline.name() == name)
+            .ok_or_else(|| failed(StatusCode::NOT_FOUND, format!("no pipeline {name:?}")))
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("cannot listen for HTTP on {address}: {source}")]
 pub struct HttpError {
@@ -290,18 +308,9 @@ async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
 async fn reload_pipeline(
     State(state): State<AppState>,
     Path(name): Path<String>,
-) -> (StatusCode, Json<serde_json::Value>) {
-    let Some(pipeline) = state
-        .pipelines
-        .iter()
-        .find(|pipeline| pipeline.name() == name)
-    else {
-        return (
-            StatusCode::NOT_FOUND,
-            Json(json!({ "error": format!("no pipeline {name:?}") })),
-        );
-    };
-    match reload::reload(pipeline, "admin").await {
+) -> Result<Answer, Answer> {
+    let pipeline = state.pipeline(&name)?;
+    Ok(match reload::reload(pipeline, "admin").await {
         Ok(Reloaded::Swapped { from, to }) => (
             StatusCode::OK,
             Json(json!({ "result": "swapped", "from": from, "to": to })),
@@ -314,7 +323,7 @@ async fn reload_pipeline(
             StatusCode::UNPROCESSABLE_ENTITY,
             Json(json!({ "result": "refused", "error": error.to_string() })),
         ),
-    }
+    })
 }
 
 fn unix_seconds(time: SystemTime) -> f64 {

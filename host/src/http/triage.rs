@@ -12,8 +12,7 @@ use axum::http::StatusCode;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::AppState;
-use crate::config::PipelineConfig;
+use super::{Answer, AppState, failed};
 use crate::source::dead_letters::{self, Action, Selection};
 use crate::store::outbox;
 
@@ -21,12 +20,6 @@ use crate::store::outbox;
 const LIST_LIMIT: u64 = 500;
 /// Most outbox rows one list returns.
 const OUTBOX_LIMIT: i64 = 500;
-
-type Answer = (StatusCode, Json<serde_json::Value>);
-
-fn failed(status: StatusCode, error: impl std::fmt::Display) -> Answer {
-    (status, Json(json!({ "error": error.to_string() })))
-}
 
 /// Which dead letters a list or a replay takes; every given filter must match.
 #[derive(Debug, Default, Deserialize)]
@@ -56,41 +49,27 @@ impl Filter {
     }
 }
 
-fn pipeline_config<'a>(state: &'a AppState, name: &str) -> Result<&'a PipelineConfig, Answer> {
-    state
-        .pipelines
-        .iter()
-        .find(|pipeline| pipeline.name() == name)
-        .map(|pipeline| &pipeline.config)
-        .ok_or_else(|| failed(StatusCode::NOT_FOUND, format!("no pipeline {name:?}")))
-}
-
 /// `GET /admin/dead-letters/{pipeline}?kind=&reason=&since_seconds=&limit=`: the dead letters
 /// oldest first (body previews), and their groups by error kind and reason.
 pub(super) async fn list(
     State(state): State<AppState>,
     Path(name): Path<String>,
     Query(filter): Query<Filter>,
-) -> Answer {
-    let pipeline = match pipeline_config(&state, &name) {
-        Ok(pipeline) => pipeline,
-        Err(answer) => return answer,
-    };
+) -> Result<Answer, Answer> {
+    let pipeline = &state.pipeline(&name)?.config;
     let limit = filter.limit.unwrap_or(LIST_LIMIT).min(LIST_LIMIT);
     // One more than shown, to know whether there are more.
     let selection = filter.selection(Some(limit + 1));
     let mut letters = Vec::new();
-    let passed = dead_letters::pass(
+    dead_letters::pass(
         state.amqp.as_ref(),
         pipeline,
         &selection,
         Action::Look,
         |letter| letters.push(letter.clone()),
     )
-    .await;
-    if let Err(error) = passed {
-        return failed(StatusCode::BAD_GATEWAY, error);
-    }
+    .await
+    .map_err(|error| failed(StatusCode::BAD_GATEWAY, error))?;
     let more = letters.len() as u64 > limit;
     letters.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
     let groups: Vec<serde_json::Value> = dead_letters::groups(&letters)
@@ -105,7 +84,7 @@ pub(super) async fn list(
             })
         })
         .collect();
-    (
+    Ok((
         StatusCode::OK,
         Json(json!({
             "pipeline": name,
@@ -116,43 +95,40 @@ pub(super) async fn list(
             "groups": groups,
             "more": more,
         })),
-    )
+    ))
 }
 
 /// `GET /admin/dead-letters/{pipeline}/{id}`: one dead letter whole, headers and body.
 pub(super) async fn show(
     State(state): State<AppState>,
     Path((name, id)): Path<(String, String)>,
-) -> Answer {
-    let pipeline = match pipeline_config(&state, &name) {
-        Ok(pipeline) => pipeline,
-        Err(answer) => return answer,
-    };
+) -> Result<Answer, Answer> {
+    let pipeline = &state.pipeline(&name)?.config;
     let selection = Selection {
         ids: Some(BTreeSet::from([id.clone()])),
         limit: Some(1),
         ..Selection::default()
     };
     let mut found = None;
-    let passed = dead_letters::pass(
+    dead_letters::pass(
         state.amqp.as_ref(),
         pipeline,
         &selection,
         Action::Look,
         |letter| found = Some(letter.json(true)),
     )
-    .await;
-    match (passed, found) {
-        (Err(error), _) => failed(StatusCode::BAD_GATEWAY, error),
-        (Ok(_), Some(letter)) => (StatusCode::OK, Json(letter)),
-        (Ok(_), None) => failed(
+    .await
+    .map_err(|error| failed(StatusCode::BAD_GATEWAY, error))?;
+    let letter = found.ok_or_else(|| {
+        failed(
             StatusCode::NOT_FOUND,
             format!(
                 "{:?} holds no dead letter {id:?} (replayed meanwhile?)",
                 pipeline.dead_letter()
             ),
-        ),
-    }
+        )
+    })?;
+    Ok((StatusCode::OK, Json(letter)))
 }
 
 /// `POST /admin/dead-letters/{pipeline}/replay` with a JSON filter (`kind`, `reason`,
@@ -162,11 +138,8 @@ pub(super) async fn replay(
     State(state): State<AppState>,
     Path(name): Path<String>,
     Json(filter): Json<Filter>,
-) -> Answer {
-    let pipeline = match pipeline_config(&state, &name) {
-        Ok(pipeline) => pipeline,
-        Err(answer) => return answer,
-    };
+) -> Result<Answer, Answer> {
+    let pipeline = &state.pipeline(&name)?.config;
     let dry_run = filter.dry_run;
     let action = if dry_run {
         Action::Look
@@ -183,29 +156,27 @@ pub(super) async fn replay(
     )
     .await;
     let moved = ids.len();
-    match passed {
-        Ok(_) => {
-            if !dry_run {
-                tracing::info!(pipeline = %name, moved, "Dead letters replayed from the console.");
-            }
-            (
-                StatusCode::OK,
-                Json(json!({
-                    "replayed": if dry_run { 0 } else { moved },
-                    "selected": moved,
-                    "ids": ids,
-                    "from": pipeline.dead_letter(),
-                    "to": pipeline.queue(),
-                    "dry_run": dry_run,
-                })),
-            )
-        }
-        // Some may have moved before the failure: say how many were selected.
-        Err(error) => failed(
+    // Some may have moved before a failure: say how many were selected.
+    passed.map_err(|error| {
+        failed(
             StatusCode::BAD_GATEWAY,
             format!("{error} ({moved} selected before it stopped)"),
-        ),
+        )
+    })?;
+    if !dry_run {
+        tracing::info!(pipeline = %name, moved, "Dead letters replayed from the console.");
     }
+    Ok((
+        StatusCode::OK,
+        Json(json!({
+            "replayed": if dry_run { 0 } else { moved },
+            "selected": moved,
+            "ids": ids,
+            "from": pipeline.dead_letter(),
+            "to": pipeline.queue(),
+            "dry_run": dry_run,
+        })),
+    ))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -220,23 +191,20 @@ pub(super) struct OutboxFilter {
 pub(super) async fn outbox_rows(
     State(state): State<AppState>,
     Query(filter): Query<OutboxFilter>,
-) -> Answer {
-    let rows = match outbox::undelivered(&state.pool, filter.parked, OUTBOX_LIMIT).await {
-        Ok(rows) => rows,
-        Err(error) => return failed(StatusCode::SERVICE_UNAVAILABLE, error),
-    };
-    let backlog = match outbox::backlog(&state.pool).await {
-        Ok(backlog) => backlog,
-        Err(error) => return failed(StatusCode::SERVICE_UNAVAILABLE, error),
-    };
-    (
+) -> Result<Answer, Answer> {
+    let unavailable = |error| failed(StatusCode::SERVICE_UNAVAILABLE, error);
+    let rows = outbox::undelivered(&state.pool, filter.parked, OUTBOX_LIMIT)
+        .await
+        .map_err(unavailable)?;
+    let backlog = outbox::backlog(&state.pool).await.map_err(unavailable)?;
+    Ok((
         StatusCode::OK,
         Json(json!({
             "pending": backlog.pending,
             "parked": backlog.parked,
             "rows": rows.iter().map(outbox::Undelivered::json).collect::<Vec<_>>(),
         })),
-    )
+    ))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -251,9 +219,9 @@ pub(super) struct OutboxRetry {
 pub(super) async fn outbox_retry(
     State(state): State<AppState>,
     Json(retry): Json<OutboxRetry>,
-) -> Answer {
-    match outbox::retry_parked(&state.pool, retry.destination.as_deref(), retry.id).await {
-        Ok(ids) => (StatusCode::OK, Json(json!({ "retried": ids }))),
-        Err(error) => failed(StatusCode::SERVICE_UNAVAILABLE, error),
-    }
+) -> Result<Answer, Answer> {
+    let ids = outbox::retry_parked(&state.pool, retry.destination.as_deref(), retry.id)
+        .await
+        .map_err(|error| failed(StatusCode::SERVICE_UNAVAILABLE, error))?;
+    Ok((StatusCode::OK, Json(json!({ "retried": ids }))))
 }

@@ -498,18 +498,14 @@ pub enum Found {
 /// or the consumer differs from the config.
 pub async fn inspect(source: &JetStreamSource) -> Result<Found, JetStreamError> {
     let context = jetstream::new(connect(source, "idem check".into()).await?);
-    let Some(mut stream) = find_stream(&context, &source.stream).await? else {
+    let Some(stream) = find_stream(&context, &source.stream).await? else {
         if source.declare {
             return Ok(Found::StreamMissing);
         }
         return Err(must_exist(source, "stream", &source.stream));
     };
-    let messages = stream
-        .info()
-        .await
-        .map_err(|error| request_error("read", &source.stream, error))?
-        .state
-        .messages;
+    // Looking the stream up fetched its info: no second request.
+    let messages = stream.cached_info().state.messages;
     let Some(consumer) = find_consumer(&context, source).await? else {
         if source.declare {
             return Ok(Found::ConsumerMissing { messages });
@@ -518,10 +514,8 @@ pub async fn inspect(source: &JetStreamSource) -> Result<Found, JetStreamError> 
     };
     check_consumer(source, &consumer)?;
     let info = consumer.cached_info();
-    let dead_letters = match context.get_stream(&source.dead_letter_stream).await {
-        Ok(mut stream) => stream.info().await.ok().map(|info| info.state.messages),
-        Err(_) => None,
-    };
+    // A count `idem status` can go without: a failed lookup shows as unknown.
+    let dead_letters = dead_letter_count(&context, source).await.ok().flatten();
     Ok(Found::Ready {
         messages,
         pending: info.num_pending,
@@ -540,14 +534,22 @@ pub async fn depths(source: &JetStreamSource) -> Result<source::Depths, JetStrea
         .info()
         .await
         .map_err(|error| request_error("read", &source.consumer, error))?;
-    let dead_letters = find_stream(&context, &source.dead_letter_stream)
-        .await?
-        .map(|stream| stream.cached_info().state.messages);
     Ok(source::Depths {
         waiting: info.num_pending,
         unacknowledged: Some(info.num_ack_pending as u64),
-        dead_letters,
+        dead_letters: dead_letter_count(&context, source).await?,
     })
+}
+
+/// The messages on `source`'s dead-letter stream (every pipeline's that share it); `None` while
+/// it does not exist.
+async fn dead_letter_count(
+    context: &jetstream::Context,
+    source: &JetStreamSource,
+) -> Result<Option<u64>, JetStreamError> {
+    Ok(find_stream(context, &source.dead_letter_stream)
+        .await?
+        .map(|stream| stream.cached_info().state.messages))
 }
 
 fn request_error(
