@@ -37,7 +37,7 @@ use crate::message::InboundMessage;
 use crate::sandbox::{LoadedPlugin, PluginError, PluginRuntime};
 use crate::source::rabbitmq;
 use crate::store::ledger::{Plan, PlanError};
-use crate::store::statement::StatementCatalog;
+use crate::store::statement::{BoundEffect, StatementCatalog};
 
 /// A case file that cannot be used: nothing runs.
 #[derive(Debug, thiserror::Error)]
@@ -423,7 +423,11 @@ pub fn fit(
     statements: &StatementCatalog,
     decision: &Decision,
 ) -> Result<(), PlanError> {
-    Plan::build(pipeline, statements, decision, "", false).map(|_| ())
+    let plan = Plan::build(pipeline, statements, decision, "", false)?;
+    match plan.effects.iter().find_map(BoundEffect::out_of_range) {
+        Some(error) => Err(PlanError::Effect(error.clone())),
+        None => Ok(()),
+    }
 }
 
 /// The pipeline a case's message is delivered to, as its plugin sees it.

@@ -248,8 +248,23 @@ pub struct JetStreamSource {
     /// Tell the server the message is still being worked on (`+WPI`) while its handling
     /// outlives half of `ack_wait`.
     pub in_progress: bool,
+    /// Where a consumer idem creates starts on the stream.
+    pub start: ConsumerStart,
     /// The table these keys are written in, for messages that name a setting.
     pub table: String,
+}
+
+/// Where a consumer idem creates (the first time, or after an operator deleted it) starts on
+/// its stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum ConsumerStart {
+    /// With ledger claims, no earlier than the claim window (`retention.window`): an older
+    /// message may have been applied already, and no claim is left to recognise it. Natural
+    /// and `none` claims recognise what they applied for ever: they start at the first message.
+    Window,
+    /// At the stream's first message, whatever its age.
+    All,
 }
 
 /// A RabbitMQ queue and its dead-letter queue.
@@ -698,9 +713,26 @@ impl Config {
                             };
                             SourceConfig::RabbitMq(keys.source(&table, source_at)?)
                         }
-                        SourceKind::Jetstream => SourceConfig::JetStream(
-                            raw_source.jetstream(&name, &table, base_dir, source_at)?,
-                        ),
+                        SourceKind::Jetstream => {
+                            let source =
+                                raw_source.jetstream(&name, &table, base_dir, source_at)?;
+                            // The server counts deliveries, idem the plugin's tries: a limit
+                            // that leaves no room for every try would have the server abandon
+                            // a message idem still means to retry.
+                            let attempts = i64::from(raw.max_attempts.get());
+                            if let Some(max_deliver) = source.max_deliver
+                                && max_deliver <= attempts
+                            {
+                                return Err(source_at(
+                                    None,
+                                    "max_deliver",
+                                    format!(
+                                        "{max_deliver} leaves no room for max_attempts = {attempts}: a delivery is also spent by every restart, crash or late ack; set it above {attempts} (or leave it out for no limit)"
+                                    ),
+                                ));
+                            }
+                            SourceConfig::JetStream(source)
+                        }
                     }
                 }
                 None if legacy.any() => {
@@ -1078,6 +1110,10 @@ struct RawSource {
     /// JetStream: send in-progress acks while a message's handling outlives half of
     /// `ack_wait`, so the server does not deliver it again meanwhile (default `true`).
     in_progress: Option<bool>,
+    /// JetStream: where a consumer idem creates starts: `"window"` (default; with ledger
+    /// claims, no message older than the claim window) or `"all"` (the stream's first
+    /// message, whatever its age).
+    start: Option<ConsumerStart>,
 }
 
 impl RawSource {
@@ -1098,6 +1134,7 @@ impl RawSource {
             ("dead_letter_subject", self.dead_letter_subject.is_some()),
             ("dead_letter_stream", self.dead_letter_stream.is_some()),
             ("in_progress", self.in_progress.is_some()),
+            ("start", self.start.is_some()),
         ]
         .into_iter()
         .filter_map(|(key, set)| set.then_some(key))
@@ -1261,6 +1298,7 @@ impl RawSource {
             dead_letter_subject,
             dead_letter_stream,
             in_progress: self.in_progress.unwrap_or(true),
+            start: self.start.unwrap_or(ConsumerStart::Window),
             table: table.to_string(),
         })
     }
@@ -1892,6 +1930,29 @@ credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
         check_error(
             &jetstream("servers = [\"nats://h\"]\nstream = \"ORDERS\"\nack_wait = \"10ms\"\n"),
             &["pipelines.loyalty.source.ack_wait", "at least 1s"],
+        );
+        // The default max_attempts is 5: a server limit of 5 deliveries leaves no room.
+        check_error(
+            &jetstream("servers = [\"nats://h\"]\nstream = \"ORDERS\"\nmax_deliver = 5\n"),
+            &[
+                "pipelines.loyalty.source.max_deliver",
+                "leaves no room for max_attempts = 5",
+            ],
+        );
+        let config = Config::from_toml(
+            Path::new("/etc/idem/pipelines.toml"),
+            &jetstream(
+                "servers = [\"nats://h\"]\nstream = \"ORDERS\"\nmax_deliver = 6\nstart = \"all\"\n",
+            ),
+        )
+        .unwrap_or_else(|error| panic!("{error}"));
+        let SourceConfig::JetStream(source) = &config.pipelines[0].source else {
+            panic!("a JetStream source");
+        };
+        assert_eq!(source.start, ConsumerStart::All);
+        check_error(
+            &jetstream("servers = [\"nats://h\"]\nstream = \"ORDERS\"\nstart = \"first\"\n"),
+            &["start", "first"],
         );
         check_error(
             &(VALID.replace("queue = \"order-completed\"\n", "")

@@ -635,3 +635,187 @@ async fn a_stream_over_mutual_tls_and_its_certificate_faults() {
     let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;
 }
+
+/// A second pipeline subscribing to the same stream (its own durable consumer, every setting
+/// at its default): the config text of `loyalty` and `audit` side by side; `audit` writes its
+/// own table.
+fn two_pipelines_text(env: &TestEnv, stream: &TestStream) -> String {
+    let source = |pipeline: &str| {
+        format!(
+            r#"
+[pipelines.{pipeline}]
+consumer = "{pipeline}"
+plugin = "{plugin}"
+source = {{ kind = "jetstream", servers = ["{url}"], stream = "{name}", subject = "{subject}" }}
+"#,
+            plugin = plugin_path("loyalty").display(),
+            url = stream.url,
+            name = stream.name,
+            subject = stream.subject,
+        )
+    };
+    format!(
+        "{header}{loyalty}[pipelines.loyalty.statements]\n{statements}{audit}{audit_statements}",
+        header = env.config_header(),
+        loyalty = source("loyalty"),
+        statements = idem_e2e::LOYALTY_STATEMENTS,
+        audit = source("audit"),
+        audit_statements = r#"[pipelines.audit.statements]
+credit_balance = "SELECT $1::int8, $2::int8"
+record_ledger = "INSERT INTO audit_log (customer_id, order_id, points) VALUES ($1, $2, $3)"
+"#,
+    )
+}
+
+/// Two pipelines on one stream both reject the same four malformed messages: each keeps its own
+/// dead letters on its own subject (`<stream>_DEAD_LETTERS.<pipeline>`), none is lost or
+/// redelivered for ever. With `narrow`, the dead-letter stream exists already capturing only
+/// the first pipeline's subject (as an older idem created it): the host makes it capture the
+/// second's.
+async fn two_pipelines_dead_letter_on_a_shared_stream(name: &str, narrow: bool) {
+    let env = TestEnv::new(name).await;
+    sqlx::raw_sql("CREATE TABLE audit_log (customer_id int8, order_id int8 UNIQUE, points int8)")
+        .execute(&env.pool)
+        .await
+        .expect("audit table");
+    let stream = TestStream::new(&env.queue).await;
+    if narrow {
+        stream
+            .context
+            .create_stream(async_nats::jetstream::stream::Config {
+                name: stream.dead_letter_stream.clone(),
+                subjects: vec![format!("{}.loyalty", stream.dead_letter_stream)],
+                ..Default::default()
+            })
+            .await
+            .expect("the dead-letter stream an older idem created");
+    }
+    let host = env.start_host(parse(&two_pipelines_text(&env, &stream)));
+    for order_id in 0..40 {
+        stream
+            .publish(&order(order_id, order_id % 5, 700), None)
+            .await;
+        if order_id % 13 == 0 {
+            stream.publish(b"not json", None).await;
+        }
+    }
+    // Orders 0, 13, 26 and 39 are each followed by a malformed message.
+    wait_for("eight dead letters", Duration::from_secs(60), || async {
+        stream.dead_letters().await.len() == 8
+    })
+    .await;
+    wait_drained_by(&stream, "idem-loyalty").await;
+    wait_drained_by(&stream, "idem-audit").await;
+    assert!(!host.is_finished(), "the host stopped");
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, 40);
+    assert_eq!(env.count("SELECT count(*) FROM audit_log").await, 40);
+    let letters = stream.dead_letters().await;
+    for pipeline in ["loyalty", "audit"] {
+        let theirs = letters
+            .iter()
+            .filter(|(_, headers)| {
+                headers
+                    .iter()
+                    .any(|(key, value)| key == "x-idem-pipeline" && value == pipeline)
+            })
+            .count();
+        assert_eq!(theirs, 4, "{pipeline}'s dead letters: {letters:?}");
+    }
+    let info = stream
+        .context
+        .get_stream(&stream.dead_letter_stream)
+        .await
+        .expect("dead-letter stream")
+        .info()
+        .await
+        .expect("info")
+        .config
+        .subjects
+        .clone();
+    assert!(
+        info.iter()
+            .any(|subject| subject.ends_with(".audit") || subject.ends_with(".>")),
+        "{info:?}"
+    );
+    stream.cleanup().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pipelines_on_one_stream_each_keep_their_dead_letters() {
+    two_pipelines_dead_letter_on_a_shared_stream("js_shared", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_narrow_dead_letter_stream_is_extended_for_a_second_pipeline() {
+    two_pipelines_dead_letter_on_a_shared_stream("js_narrow", true).await;
+}
+
+/// The issue's doubling: orders consumed, their claims gone with retention (a 3 s window
+/// here), then the durable consumer deleted by an operator. The consumer idem creates again
+/// starts at the window's start: the old orders are not applied again (the ledger's unique
+/// order id would dead-letter them), and the new ones are credited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_created_again_starts_within_the_claim_window() {
+    let env = TestEnv::new("js_window").await;
+    let stream = TestStream::new(&env.queue).await;
+    let retention = "[pipelines.loyalty.retention]\nwindow = \"3s\"";
+    let host = env.start_host(config(&env, &stream, "", retention));
+    for order_id in 0..50 {
+        stream
+            .publish(&order(order_id, order_id % 7, 300), None)
+            .await;
+    }
+    wait_for(
+        "the first orders credited",
+        Duration::from_secs(60),
+        || async { env.count("SELECT count(*) FROM point_ledger").await == 50 },
+    )
+    .await;
+    wait_drained(&stream).await;
+    host.stop().await.expect("host stops cleanly");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    // What the retention pass does to claims older than the window.
+    sqlx::query("DELETE FROM processed_messages WHERE processed_at < now() - interval '3 seconds'")
+        .execute(&env.pool)
+        .await
+        .expect("claims past the window removed");
+    assert_eq!(
+        env.count("SELECT count(*) FROM processed_messages").await,
+        0
+    );
+    stream.delete_consumer("idem-loyalty").await;
+    let host = env.start_host(config(&env, &stream, "", retention));
+    wait_for(
+        "the consumer created again",
+        Duration::from_secs(60),
+        || async { stream.consumer_counts("idem-loyalty").await.is_some() },
+    )
+    .await;
+    for order_id in 50..60 {
+        stream
+            .publish(&order(order_id, order_id % 7, 300), None)
+            .await;
+    }
+    wait_for(
+        "the new orders credited",
+        Duration::from_secs(60),
+        || async { env.count("SELECT count(*) FROM point_ledger").await == 60 },
+    )
+    .await;
+    wait_drained(&stream).await;
+    host.stop().await.expect("host stops cleanly");
+    assert!(
+        stream.dead_letters().await.is_empty(),
+        "old orders were delivered again"
+    );
+    assert_eq!(
+        env.count("SELECT coalesce(sum(points), 0)::int8 FROM balances")
+            .await,
+        60 * 3,
+        "balances credited twice"
+    );
+    stream.cleanup().await;
+    env.cleanup().await;
+}

@@ -15,4 +15,5 @@ mod outbox;
 mod plugin_kit;
 mod queues;
 mod sandbox;
+mod schema_change;
 mod triage;

@@ -399,3 +399,53 @@ async fn the_admin_api_groups_dead_letters_and_replays_a_group() {
     host.stop().await.expect("host stops");
     env.cleanup().await;
 }
+
+/// A quorum dead-letter queue declared by infrastructure code with a low delivery limit
+/// (RabbitMQ 4.0 and later give every quorum queue one of 20): looking at it again and again
+/// (`idem dlq list`, as the console and an operator do) loses nothing and keeps the order,
+/// since the pass renews what it keeps instead of returning it, which would count as a
+/// delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn looking_at_a_quorum_dead_letter_queue_destroys_nothing() {
+    use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+    let env = TestEnv::new("dlq_quorum").await;
+    let quorum = |limit: Option<i64>| {
+        let mut arguments = FieldTable::default();
+        arguments.insert(
+            ShortString::from("x-queue-type"),
+            AMQPValue::LongString(LongString::from("quorum")),
+        );
+        if let Some(limit) = limit {
+            arguments.insert(
+                ShortString::from("x-delivery-limit"),
+                AMQPValue::LongLongInt(limit),
+            );
+        }
+        arguments
+    };
+    idem_e2e::redeclare(&env.channel, &env.queue, quorum(None)).await;
+    idem_e2e::redeclare(&env.channel, &env.dead_letter_queue, quorum(Some(2))).await;
+    for letter in ["first", "second", "third"] {
+        idem_e2e::publish(&env.channel, &env.dead_letter_queue, letter.as_bytes()).await;
+    }
+    let config = env.write_config("chaos", "declare = false\nqueue_type = \"quorum\"");
+    for look in 1..=6 {
+        let output = Command::new(idem_binary())
+            .args(["dlq", "list", "--json", "--pipeline", "loyalty", "--config"])
+            .arg(&config)
+            .output()
+            .expect("run idem");
+        assert!(output.status.success(), "{output:?}");
+        let letters: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON list");
+        let bodies: Vec<&str> = letters
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|letter| letter["body"]["preview"].as_str().unwrap_or("-"))
+            .collect();
+        assert_eq!(bodies, ["first", "second", "third"], "look {look}");
+    }
+    assert_eq!(env.ready(&env.dead_letter_queue).await, 3);
+    let _ = std::fs::remove_file(config);
+    env.cleanup().await;
+}

@@ -361,12 +361,15 @@ impl Host {
 
 /// The `idem` binary of this build, for tests that kill or crash the process.
 pub fn idem_binary() -> PathBuf {
-    let test_exe = std::env::current_exe().expect("current exe");
-    let profile_dir = test_exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
-    let binary = profile_dir.join("idem");
+    let exe = std::env::current_exe().expect("current exe");
+    // A test runs from target/<profile>/deps/, a binary of this crate from target/<profile>/.
+    let binary = exe
+        .ancestors()
+        .skip(1)
+        .take(2)
+        .map(|directory| directory.join("idem"))
+        .find(|binary| binary.is_file())
+        .unwrap_or_else(|| exe.with_file_name("idem"));
     assert!(
         binary.is_file(),
         "{} missing: build it with `cargo build -p idem-host` (cargo test --workspace does)",
@@ -624,15 +627,20 @@ pub async fn connect_channel() -> (Connection, Channel) {
 
 /// Like [`connect_channel`], to the broker at `url`.
 pub async fn connect_channel_to(url: &str) -> (Connection, Channel) {
-    let connection = Connection::connect(url, ConnectionProperties::default())
+    try_connect_channel_to(url)
         .await
-        .expect("RabbitMQ reachable (scripts/services.sh starts it)");
-    let channel = connection.create_channel().await.expect("channel");
+        .expect("RabbitMQ reachable (scripts/services.sh starts it)")
+}
+
+/// Like [`connect_channel_to`], with the broker's refusal or absence as an error (a broker
+/// restarting under a fault).
+pub async fn try_connect_channel_to(url: &str) -> Result<(Connection, Channel), lapin::Error> {
+    let connection = Connection::connect(url, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .expect("confirm mode");
-    (connection, channel)
+        .await?;
+    Ok((connection, channel))
 }
 
 pub async fn publish(channel: &Channel, queue: &str, body: &[u8]) {

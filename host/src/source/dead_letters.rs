@@ -22,6 +22,10 @@ use super::{jetstream, rabbitmq};
 use crate::config::{AmqpConfig, PipelineConfig, SourceConfig};
 use crate::message::InboundMessage;
 
+/// The dead letters one pass reads at most, whatever it selects: a pass that matches nothing
+/// in a huge dead-letter queue ends, and says where it stopped.
+pub const SCAN_MESSAGES: u64 = 100_000;
+
 /// How many times a message has been replayed out of the dead letters.
 pub const REPLAYS_HEADER: &str = "x-idem-replays";
 

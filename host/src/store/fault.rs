@@ -69,8 +69,7 @@ impl DatabaseFailure for sqlx::Error {
 
 impl DatabaseFailure for SessionError {
     fn sqlstate(&self) -> Option<String> {
-        self.database_error()
-            .map(|database_error| database_error.code().code().to_string())
+        SessionError::sqlstate(self)
     }
 
     fn server_message(&self) -> Option<String> {

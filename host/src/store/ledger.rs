@@ -23,7 +23,9 @@ use crate::failpoint::Failpoint;
 use crate::store::fault::{self, Fault, Origin};
 use crate::store::outbox::{self, OutboxError, OutboxRow};
 use crate::store::session::{Session, SessionError, SessionPool};
-use crate::store::statement::{BoundEffect, EffectError, StatementCatalog};
+use crate::store::statement::{
+    BoundEffect, BoundValue, EffectError, StatementCatalog, values_as_params,
+};
 
 /// What `begin` adds to the transaction's opening: a mark the host's claims look for.
 const MARK_OPEN: &str = "SET LOCAL idem.transaction = 'open'";
@@ -277,9 +279,9 @@ async fn apply_on(
     work.finish(&mut second);
     second.commit();
     let sent = second.send().await;
-    // The flight ended the transaction: `COMMIT` after a failed statement rolls back.
-    session.set_in_transaction(false);
-    sent.map(|_| ClaimOutcome::Applied)
+    committed(session, sent)
+        .await
+        .map(|()| ClaimOutcome::Applied)
 }
 
 /// How one message of a batch ended inside the batch's transaction.
@@ -435,9 +437,8 @@ async fn apply_batch_optimistic(
         }
         second.commit();
         let sent = second.send().await;
-        session.set_in_transaction(false);
-        match sent {
-            Ok(_) => {}
+        match committed(session, sent).await {
+            Ok(()) => {}
             Err(LedgerError::Effect { .. }) => return Ok(None),
             Err(other) => return Err(other),
         }
@@ -481,10 +482,8 @@ async fn apply_batch_isolating(
     session.set_in_transaction(true);
     match run_isolated(session.client(), &begin, &works, &mut items).await {
         Ok(isolated) if isolated.applied > 0 => {
-            let committed = commit_isolated(session.client(), isolated.undo_last).await;
-            // The flight ended the transaction: `COMMIT` after a failed statement rolls back.
-            session.set_in_transaction(false);
-            committed?;
+            let sent = commit_isolated(session.client(), isolated.undo_last).await;
+            committed(session, sent).await?;
         }
         Ok(_) => rollback(session).await?,
         Err(error) => {
@@ -560,14 +559,14 @@ async fn run_isolated(
 }
 
 /// Commits a batch that applied something, undoing its last message first if it must.
-async fn commit_isolated(client: &Client, undo_last: bool) -> Result<(), LedgerError> {
+async fn commit_isolated(client: &Client, undo_last: bool) -> Result<Vec<Reply>, LedgerError> {
     let mut last = Flight::new(client);
     if undo_last {
         last.simple(UNDO_SAVEPOINT, "savepoint");
     }
     Failpoint::BeforeCommit.hit();
     last.commit();
-    last.send().await.map(drop)
+    last.send().await
 }
 
 /// The statements that open a transaction: isolation and server-side timeouts, then the
@@ -609,7 +608,9 @@ struct Work<'p> {
     /// bulk).
     claim: Option<(Option<Statement>, Statement, [&'p (dyn ToSql + Sync); 3])>,
     role: Option<String>,
-    effects: Vec<(Statement, Vec<&'p (dyn ToSql + Sync)>)>,
+    /// Each effect's statement as this session prepared it, with its values bound again
+    /// when the session's parameter types differ from the catalog's (after a migration).
+    effects: Vec<(Statement, Option<Vec<BoundValue>>)>,
     outbox: Option<Statement>,
 }
 
@@ -650,11 +651,7 @@ impl<'p> Work<'p> {
         };
         let mut effects = Vec::with_capacity(plan.effects.len());
         for effect in &plan.effects {
-            let statement = session
-                .prepared(effect.sql)
-                .await
-                .map_err(|source| classify(source, effect.statement, Origin::Effect))?;
-            effects.push((statement, effect.params()));
+            effects.push(Work::prepare_effect(session, effect).await?);
         }
         let outbox = if plan.outbox.is_empty() {
             None
@@ -675,6 +672,31 @@ impl<'p> Work<'p> {
             effects,
             outbox,
         })
+    }
+
+    /// `effect`'s statement on this session, with its values bound for the types the session
+    /// declares. Those are the server's types when the statement was prepared: one prepared
+    /// before a migration is prepared again when its types differ from the catalog's, and
+    /// the values are bound again for the server's types now (the catalog learns them).
+    /// Nothing is sent for a value that does not bind (see `BindError`: a configuration
+    /// fault, or the message's for a value out of range).
+    async fn prepare_effect(
+        session: &mut Session,
+        effect: &BoundEffect<'_>,
+    ) -> Result<(Statement, Option<Vec<BoundValue>>), LedgerError> {
+        let failed = |source| classify(source, effect.statement, Origin::Effect);
+        let cached = session.has_prepared(effect.sql);
+        let mut statement = session.prepared(effect.sql).await.map_err(failed)?;
+        if effect.fits(statement.params()) {
+            return Ok((statement, None));
+        }
+        if cached {
+            statement = session.prepare_again(effect.sql).await.map_err(failed)?;
+        }
+        let values = effect
+            .for_session(statement.params())
+            .map_err(|error| failed(error.into()))?;
+        Ok((statement, Some(values)))
     }
 
     /// Whether `decide` runs a host claim (guarded by `inside_open_transaction!`) rather than
@@ -775,7 +797,11 @@ impl<'p> Work<'p> {
 
     fn effects_from<'f>(&'f self, flight: &mut Flight<'f>, from: usize, to: usize) {
         let calls = self.plan.effects.iter().zip(&self.effects);
-        for (effect, (statement, values)) in calls.skip(from).take(to - from) {
+        for (effect, (statement, rebound)) in calls.skip(from).take(to - from) {
+            let values = match rebound {
+                Some(values) => values_as_params(values),
+                None => effect.params(),
+            };
             flight.execute(statement, values, effect.statement, Origin::Effect);
         }
     }
@@ -798,6 +824,7 @@ struct Step<'f> {
 }
 
 /// A statement's reply.
+#[derive(Debug)]
 enum Reply {
     /// Rows changed.
     Rows(u64),
@@ -886,7 +913,10 @@ impl<'f> Flight<'f> {
         }
     }
 
-    /// Sends every statement, in order, then waits for every reply.
+    /// Sends every statement, in order, then waits for every reply. A statement that fails
+    /// before it leaves (the driver refused a value, the connection is gone) stops the
+    /// flight there: nothing after it is sent, `COMMIT` least of all, since the server,
+    /// which never saw the failure, would commit the statements before it without it.
     async fn send(self) -> Result<Vec<Reply>, LedgerError> {
         let (labels, mut replies): (Vec<_>, Vec<_>) = self
             .steps
@@ -895,13 +925,18 @@ impl<'f> Flight<'f> {
             .unzip();
         // A statement's request leaves at its reply's first poll: poll each once, in order,
         // so they leave in the flight's order before any reply is awaited.
-        futures::future::poll_fn(|context| {
-            for reply in &mut replies {
-                let _ = Pin::new(reply).poll(context);
+        let sent = futures::future::poll_fn(|context| {
+            for (index, reply) in replies.iter_mut().enumerate() {
+                let _ = Pin::new(&mut *reply).poll(context);
+                if matches!(Pin::new(&mut *reply).output_mut(), Some(Err(_))) {
+                    return Poll::Ready(index + 1);
+                }
             }
-            Poll::Ready(())
+            Poll::Ready(replies.len())
         })
         .await;
+        // The statements after a refused one were never polled, so never sent.
+        replies.truncate(sent);
         let mut ok = Vec::with_capacity(replies.len());
         let mut first_error = None;
         for ((label, origin), mut reply) in labels.into_iter().zip(replies) {
@@ -917,6 +952,26 @@ impl<'f> Flight<'f> {
         match first_error {
             Some(error) => Err(error),
             None => Ok(ok),
+        }
+    }
+}
+
+/// What a flight ending with `COMMIT` leaves: when it failed, `COMMIT` may never have left
+/// (see `Flight::send`), so the transaction is rolled back, which does nothing if `COMMIT`
+/// ended it already; if even that fails, the session stays marked inside a transaction and
+/// is closed, never reused.
+async fn committed(
+    session: &mut Session,
+    sent: Result<Vec<Reply>, LedgerError>,
+) -> Result<(), LedgerError> {
+    match sent {
+        Ok(_) => {
+            session.set_in_transaction(false);
+            Ok(())
+        }
+        Err(error) => {
+            let _ = session.rollback().await;
+            Err(error)
         }
     }
 }
@@ -954,6 +1009,67 @@ mod tests {
     fn admin_url() -> String {
         std::env::var("IDEM_TEST_PG_ADMIN_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+    }
+
+    /// A statement the driver refuses to send (a value of another type than its parameter's,
+    /// as after a migration) stops its flight: `COMMIT` never leaves, so the statements
+    /// before it are not committed without it; the refusal is a configuration fault.
+    #[tokio::test]
+    async fn a_statement_refused_before_it_leaves_stops_the_flight() {
+        let (client, connection) = tokio_postgres::connect(&admin_url(), tokio_postgres::NoTls)
+            .await
+            .expect("PostgreSQL (scripts/services.sh starts it)");
+        let driver = tokio::spawn(connection);
+        client
+            .batch_execute("CREATE TEMPORARY TABLE flight_rows (n int8)")
+            .await
+            .expect("temporary table");
+        let insert = client
+            .prepare("INSERT INTO flight_rows (n) VALUES ($1)")
+            .await
+            .expect("prepare");
+        let (one, two, refused) = (1_i64, 2_i64, 3_i32);
+        let mut flight = Flight::new(&client);
+        flight.simple("BEGIN", "begin");
+        flight.execute(
+            &insert,
+            [&one as &(dyn ToSql + Sync)],
+            "first",
+            Origin::Effect,
+        );
+        flight.execute(
+            &insert,
+            [&refused as &(dyn ToSql + Sync)],
+            "refused",
+            Origin::Effect,
+        );
+        flight.execute(
+            &insert,
+            [&two as &(dyn ToSql + Sync)],
+            "after",
+            Origin::Effect,
+        );
+        flight.commit();
+        let error = flight
+            .send()
+            .await
+            .expect_err("an int4 value for an int8 parameter");
+        assert!(
+            matches!(&error, LedgerError::Config { statement, .. } if statement == "refused"),
+            "{error:?}"
+        );
+        client.batch_execute("ROLLBACK").await.expect("rollback");
+        let rows = client
+            .query_one("SELECT count(*) FROM flight_rows", &[])
+            .await
+            .expect("count");
+        assert_eq!(
+            rows.get::<_, i64>(0),
+            0,
+            "the flight committed around a refused statement"
+        );
+        drop(client);
+        driver.await.expect("driver").expect("connection");
     }
 
     /// Every host claim, run as if its flight's `BEGIN` had failed (outside any transaction),

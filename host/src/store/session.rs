@@ -18,6 +18,8 @@ use tokio_postgres::{Client, NoTls, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tracing::debug;
 
+use crate::store::statement::BindError;
+
 /// How long taking a session may wait, for a free one or for a new connection.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -30,6 +32,9 @@ pub enum SessionError {
         "no PostgreSQL session within {timeout:?}: all {max} are busy, or the server does not answer"
     )]
     Timeout { timeout: Duration, max: u32 },
+    /// A value does not bind to the type the session's statement declares; nothing was sent.
+    #[error(transparent)]
+    Bind(#[from] BindError),
 }
 
 impl SessionError {
@@ -37,9 +42,36 @@ impl SessionError {
     pub fn database_error(&self) -> Option<&tokio_postgres::error::DbError> {
         match self {
             SessionError::Postgres(error) => error.as_db_error(),
+            SessionError::Timeout { .. } | SessionError::Bind(_) => None,
+        }
+    }
+
+    /// The SQLSTATE of the failure: the server's, or the one the server would have raised for
+    /// a value the client refused to send (a type mismatch is 42804, a value out of the
+    /// type's range 22003).
+    pub fn sqlstate(&self) -> Option<String> {
+        match self {
+            SessionError::Bind(error) => Some(error.sqlstate().to_string()),
+            SessionError::Postgres(error) => match error.as_db_error() {
+                Some(database_error) => Some(database_error.code().code().to_string()),
+                None => is_wrong_type(error).then(|| "42804".to_string()),
+            },
             SessionError::Timeout { .. } => None,
         }
     }
+}
+
+/// Whether the driver refused to encode a value for its parameter's type (the statement was
+/// never sent).
+fn is_wrong_type(error: &tokio_postgres::Error) -> bool {
+    let mut cause = std::error::Error::source(error);
+    while let Some(error) = cause {
+        if error.is::<tokio_postgres::types::WrongType>() {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
 }
 
 /// The pool of sessions, shared by every pipeline; cheap to clone.
@@ -197,6 +229,20 @@ impl Session {
             .prepared
             .insert(sql.to_string(), statement.clone());
         Ok(statement)
+    }
+
+    /// Whether `sql` is in this session's cache of prepared statements.
+    pub fn has_prepared(&self, sql: &str) -> bool {
+        self.connection().prepared.contains_key(sql)
+    }
+
+    /// `sql` prepared on this session anew, replacing what its cache held: the server's
+    /// parameter types now, after a migration changed them.
+    pub async fn prepare_again(&mut self, sql: &str) -> Result<Statement, SessionError> {
+        if let Some(connection) = self.connection.as_mut() {
+            connection.prepared.remove(sql);
+        }
+        self.prepared(sql).await
     }
 
     /// Marks whether a transaction may be open: a session dropped while one may be is closed.

@@ -2,14 +2,19 @@
 //!
 //! Architecture invariant: a plugin names a statement and passes typed values; the host
 //! checks the name, the parameter count and every value's type before a transaction opens.
+//! The types are the server's as each session sees them: a session that prepared a
+//! statement after a migration (`int4` widened to `int8`, say) gets its values bound again
+//! for the new types before anything is sent (`BoundEffect::for_session`).
 
 use std::collections::HashMap;
+use std::sync::RwLock;
 
 use bytes::BytesMut;
 use chrono::{DateTime, NaiveDateTime, Utc};
 use sqlx::postgres::{PgPool, PgTypeInfo};
 use sqlx::{Either, Executor, Statement, TypeInfo};
 use tokio_postgres::types::{IsNull, ToSql, Type};
+use tracing::info;
 
 use crate::config::PipelineConfig;
 use crate::effect::Value;
@@ -30,8 +35,9 @@ struct PreparedStatement {
 /// What is known of a statement's parameters.
 #[derive(Debug)]
 enum Params {
-    /// The types the server inferred when the statement was prepared.
-    Declared(Vec<ParamType>),
+    /// The types the server inferred when the statement was prepared, and since learned
+    /// from sessions that prepared it after a compatible migration (see `learn`).
+    Declared(RwLock<Vec<ParamType>>),
     /// Only their count, read from the SQL text (no database at hand): each value is checked
     /// as its own natural type (integer as int8, text as text, …).
     Counted(usize),
@@ -40,16 +46,54 @@ enum Params {
 impl Params {
     fn len(&self) -> usize {
         match self {
-            Params::Declared(types) => types.len(),
+            Params::Declared(types) => types.read().expect("parameter types").len(),
             Params::Counted(count) => *count,
         }
     }
 
-    fn type_at(&self, position: usize, value: &Value) -> ParamType {
+    /// The type each of `values` binds as.
+    fn types_of(&self, values: &[Value]) -> Vec<ParamType> {
         match self {
-            Params::Declared(types) => types[position],
-            Params::Counted(_) => ParamType::natural(value),
+            Params::Declared(types) => types.read().expect("parameter types").clone(),
+            Params::Counted(_) => values.iter().map(ParamType::natural).collect(),
         }
+    }
+
+    /// Adopts `session`, the types a session's fresh prepare declared for `given`'s values,
+    /// which all bound to them: later messages are checked against the server's types
+    /// now. A parameter whose type changed family (`int8` to `jsonb`) is adopted only if its
+    /// value was not null, so a null that binds to anything never teaches the catalog a type
+    /// that would reject the next message's value as its own fault.
+    fn learn(&self, statement: &str, session: &[ParamType], given: &[Value]) {
+        let Params::Declared(types) = self else {
+            return;
+        };
+        let mut types = types.write().expect("parameter types");
+        if types.len() != session.len() || *types == session {
+            return;
+        }
+        let adoptable = types
+            .iter()
+            .zip(session)
+            .zip(given)
+            .all(|((known, now), value)| {
+                known.family() == now.family() || !matches!(value, Value::Null)
+            });
+        if !adoptable {
+            return;
+        }
+        for (index, (known, now)) in types.iter().zip(session).enumerate() {
+            if known != now {
+                info!(
+                    statement,
+                    parameter = index + 1,
+                    was = known.name(),
+                    now = now.name(),
+                    "A statement's parameter type changed on the server; values bind to the new type."
+                );
+            }
+        }
+        types.copy_from_slice(session);
     }
 }
 
@@ -58,7 +102,13 @@ impl Params {
 pub struct BoundEffect<'catalog> {
     pub statement: &'catalog str,
     pub sql: &'catalog str,
+    params: &'catalog Params,
+    /// The plugin's values, to bind again for a session that sees other types.
+    given: &'catalog [Value],
     values: Vec<BoundValue>,
+    /// A value out of range for the integer type the catalog knows, bound wider for the
+    /// session to decide (see `bind`).
+    out_of_range: Option<EffectError>,
 }
 
 /// Parameter types idem can bind from plugin values.
@@ -79,7 +129,10 @@ enum ParamType {
 }
 
 #[derive(Debug, Clone)]
-enum BoundValue {
+pub struct BoundValue(Bound);
+
+#[derive(Debug, Clone)]
+enum Bound {
     Bool(Option<bool>),
     Int2(Option<i16>),
     Int4(Option<i32>),
@@ -118,6 +171,41 @@ pub enum StatementError {
 #[derive(Debug, thiserror::Error)]
 #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
 pub struct StatementErrors(pub Vec<StatementError>);
+
+/// A value that does not bind to the parameter type a session's statement declares, found
+/// before anything is sent. A change of the schema under a running host is the operator's
+/// doing: a type the value's kind cannot bind to is a configuration fault (SQLSTATE 42804,
+/// the pipeline pauses), a value out of the new type's range is the message's (22003).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BindError {
+    #[error(
+        "statement {statement:?} parameter ${index} is {now} on the server now ({was} when the host prepared it); the effect's {given} value does not bind to it: change the column back or the plugin and the statement to match"
+    )]
+    Type {
+        statement: String,
+        index: usize,
+        was: &'static str,
+        now: String,
+        given: &'static str,
+    },
+    #[error("statement {statement:?} parameter ${index} ({now} on the server now): {problem}")]
+    Value {
+        statement: String,
+        index: usize,
+        now: &'static str,
+        problem: String,
+    },
+}
+
+impl BindError {
+    /// The SQLSTATE the server would have raised, so `fault` classifies it as the server's.
+    pub fn sqlstate(&self) -> &'static str {
+        match self {
+            BindError::Type { .. } => "42804",
+            BindError::Value { .. } => "22003",
+        }
+    }
+}
 
 /// An effect that does not fit its statement: the message is rejected, nothing runs.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -165,7 +253,7 @@ impl StatementCatalog {
                 Ok(params) => {
                     let prepared = PreparedStatement {
                         sql: sql.clone(),
-                        params: Params::Declared(params),
+                        params: Params::Declared(RwLock::new(params)),
                     };
                     statements.insert(name.clone(), prepared);
                 }
@@ -215,7 +303,7 @@ impl StatementCatalog {
     pub fn bind<'catalog>(
         &'catalog self,
         statement: &str,
-        params: &[Value],
+        params: &'catalog [Value],
     ) -> Result<BoundEffect<'catalog>, EffectError> {
         let (name, prepared) = self.statements.get_key_value(statement).ok_or_else(|| {
             let mut known: Vec<&str> = self.statements.keys().map(String::as_str).collect();
@@ -233,12 +321,18 @@ impl StatementCatalog {
                 given: params.len(),
             });
         }
+        let types = prepared.params.types_of(params);
+        let mut out_of_range = None;
         let values = params
             .iter()
+            .zip(types)
             .enumerate()
-            .map(|(position, value)| {
-                let param_type = prepared.params.type_at(position, value);
-                param_type.convert(value).map_err(|problem| match problem {
+            .map(|(position, (value, param_type))| {
+                let problem = match param_type.convert(value) {
+                    Ok(bound) => return Ok(bound),
+                    Err(problem) => problem,
+                };
+                let error = |problem| match problem {
                     Conversion::WrongType => EffectError::ParamType {
                         statement: name.clone(),
                         index: position + 1,
@@ -250,13 +344,26 @@ impl StatementCatalog {
                         index: position + 1,
                         problem,
                     },
-                })
+                };
+                match problem {
+                    // Out of range for the integer type the catalog knows: the column may
+                    // have been widened since. Bound as int8, the session decides on the
+                    // server's type now (`for_session`).
+                    Conversion::BadValue(_) if param_type.family() == ParamType::Int8.family() => {
+                        out_of_range.get_or_insert(error(problem));
+                        ParamType::Int8.convert(value).map_err(error)
+                    }
+                    problem => Err(error(problem)),
+                }
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(BoundEffect {
             statement: name,
             sql: &prepared.sql,
+            params: &prepared.params,
+            given: params,
             values,
+            out_of_range,
         })
     }
 }
@@ -296,29 +403,111 @@ async fn prepare_one(
 impl BoundEffect<'_> {
     /// The values as the driver binds them, in parameter order.
     pub fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
-        self.values
-            .iter()
-            .map(|value| value as &(dyn ToSql + Sync))
-            .collect()
+        values_as_params(&self.values)
     }
+
+    /// A value out of range for the type the catalog knows: what a session that sees the
+    /// same type refuses (`idem try` and `idem test` report it; `idem run` lets the
+    /// server's type now decide).
+    pub fn out_of_range(&self) -> Option<&EffectError> {
+        self.out_of_range.as_ref()
+    }
+
+    /// Whether the values bound fit `types`, the parameter types a session's statement
+    /// declares.
+    pub fn fits(&self, types: &[Type]) -> bool {
+        types.len() == self.values.len()
+            && self
+                .values
+                .iter()
+                .zip(types)
+                .all(|(value, wire)| ParamType::of_wire(wire) == Some(value.param_type()))
+    }
+
+    /// The plugin's values bound again for `types`, the parameter types a session's
+    /// statement declares when it was prepared just now: the server's types now, which
+    /// differ from the catalog's after a migration. The catalog adopts them when every value
+    /// binds (see `Params::learn`).
+    pub fn for_session(&self, types: &[Type]) -> Result<Vec<BoundValue>, BindError> {
+        let known = self.params.types_of(self.given);
+        let mut session = Vec::with_capacity(types.len());
+        let mut values = Vec::with_capacity(types.len());
+        for (position, (value, wire)) in self.given.iter().zip(types).enumerate() {
+            let was = known.get(position).map_or("unknown", |known| known.name());
+            let Some(param_type) = ParamType::of_wire(wire) else {
+                return Err(BindError::Type {
+                    statement: self.statement.to_string(),
+                    index: position + 1,
+                    was,
+                    now: wire.name().to_string(),
+                    given: value.kind(),
+                });
+            };
+            let bound = param_type.convert(value).map_err(|problem| match problem {
+                Conversion::WrongType => BindError::Type {
+                    statement: self.statement.to_string(),
+                    index: position + 1,
+                    was,
+                    now: param_type.name().to_string(),
+                    given: value.kind(),
+                },
+                Conversion::BadValue(problem) => BindError::Value {
+                    statement: self.statement.to_string(),
+                    index: position + 1,
+                    now: param_type.name(),
+                    problem,
+                },
+            })?;
+            session.push(param_type);
+            values.push(bound);
+        }
+        self.params.learn(self.statement, &session, self.given);
+        Ok(values)
+    }
+}
+
+/// `values` as the driver binds them, in parameter order.
+pub fn values_as_params(values: &[BoundValue]) -> Vec<&(dyn ToSql + Sync)> {
+    values
+        .iter()
+        .map(|value| value as &(dyn ToSql + Sync))
+        .collect()
 }
 
 impl BoundValue {
     /// The value as its own Rust type, which the driver encodes.
     fn value(&self) -> &(dyn ToSql + Sync) {
-        match self {
-            BoundValue::Bool(value) => value,
-            BoundValue::Int2(value) => value,
-            BoundValue::Int4(value) => value,
-            BoundValue::Int8(value) => value,
-            BoundValue::Float4(value) => value,
-            BoundValue::Float8(value) => value,
-            BoundValue::Text(value) => value,
-            BoundValue::Jsonb(value) => value,
-            BoundValue::Bytea(value) => value,
-            BoundValue::Timestamptz(value) => value,
-            BoundValue::Timestamp(value) => value,
-            BoundValue::Uuid(value) => value,
+        match &self.0 {
+            Bound::Bool(value) => value,
+            Bound::Int2(value) => value,
+            Bound::Int4(value) => value,
+            Bound::Int8(value) => value,
+            Bound::Float4(value) => value,
+            Bound::Float8(value) => value,
+            Bound::Text(value) => value,
+            Bound::Jsonb(value) => value,
+            Bound::Bytea(value) => value,
+            Bound::Timestamptz(value) => value,
+            Bound::Timestamp(value) => value,
+            Bound::Uuid(value) => value,
+        }
+    }
+
+    /// The parameter type the value was bound for.
+    fn param_type(&self) -> ParamType {
+        match &self.0 {
+            Bound::Bool(_) => ParamType::Bool,
+            Bound::Int2(_) => ParamType::Int2,
+            Bound::Int4(_) => ParamType::Int4,
+            Bound::Int8(_) => ParamType::Int8,
+            Bound::Float4(_) => ParamType::Float4,
+            Bound::Float8(_) => ParamType::Float8,
+            Bound::Text(_) => ParamType::Text,
+            Bound::Jsonb(_) => ParamType::Jsonb,
+            Bound::Bytea(_) => ParamType::Bytea,
+            Bound::Timestamptz(_) => ParamType::Timestamptz,
+            Bound::Timestamp(_) => ParamType::Timestamp,
+            Bound::Uuid(_) => ParamType::Uuid,
         }
     }
 }
@@ -429,6 +618,58 @@ impl ParamType {
         })
     }
 
+    /// The type of a parameter as a session's statement declares it.
+    fn of_wire(wire: &Type) -> Option<ParamType> {
+        Some(match *wire {
+            Type::BOOL => ParamType::Bool,
+            Type::INT2 => ParamType::Int2,
+            Type::INT4 => ParamType::Int4,
+            Type::INT8 => ParamType::Int8,
+            Type::FLOAT4 => ParamType::Float4,
+            Type::FLOAT8 => ParamType::Float8,
+            Type::TEXT | Type::VARCHAR | Type::BPCHAR | Type::NAME => ParamType::Text,
+            Type::JSON | Type::JSONB => ParamType::Jsonb,
+            Type::BYTEA => ParamType::Bytea,
+            Type::TIMESTAMPTZ => ParamType::Timestamptz,
+            Type::TIMESTAMP => ParamType::Timestamp,
+            Type::UUID => ParamType::Uuid,
+            _ => return None,
+        })
+    }
+
+    /// The SQL name of the type.
+    fn name(self) -> &'static str {
+        match self {
+            ParamType::Bool => "bool",
+            ParamType::Int2 => "int2",
+            ParamType::Int4 => "int4",
+            ParamType::Int8 => "int8",
+            ParamType::Float4 => "float4",
+            ParamType::Float8 => "float8",
+            ParamType::Text => "text",
+            ParamType::Jsonb => "jsonb",
+            ParamType::Bytea => "bytea",
+            ParamType::Timestamptz => "timestamptz",
+            ParamType::Timestamp => "timestamp",
+            ParamType::Uuid => "uuid",
+        }
+    }
+
+    /// Types that take the same kinds of plugin value and differ only in range or
+    /// precision share a family.
+    fn family(self) -> u8 {
+        match self {
+            ParamType::Int2 | ParamType::Int4 | ParamType::Int8 => 1,
+            ParamType::Float4 | ParamType::Float8 => 2,
+            ParamType::Timestamptz | ParamType::Timestamp => 3,
+            ParamType::Bool => 4,
+            ParamType::Text => 5,
+            ParamType::Jsonb => 6,
+            ParamType::Bytea => 7,
+            ParamType::Uuid => 8,
+        }
+    }
+
     /// The type the server declares for such a parameter.
     #[cfg(test)]
     fn wire_type(self) -> Type {
@@ -470,62 +711,58 @@ impl ParamType {
         let out_of_range = |integer: i64| {
             Conversion::BadValue(format!("{integer} is out of range for {}", self.expected()))
         };
-        Ok(match (self, value) {
-            (ParamType::Bool, Value::Null) => BoundValue::Bool(None),
-            (ParamType::Int2, Value::Null) => BoundValue::Int2(None),
-            (ParamType::Int4, Value::Null) => BoundValue::Int4(None),
-            (ParamType::Int8, Value::Null) => BoundValue::Int8(None),
-            (ParamType::Float4, Value::Null) => BoundValue::Float4(None),
-            (ParamType::Float8, Value::Null) => BoundValue::Float8(None),
-            (ParamType::Text, Value::Null) => BoundValue::Text(None),
-            (ParamType::Jsonb, Value::Null) => BoundValue::Jsonb(None),
-            (ParamType::Bytea, Value::Null) => BoundValue::Bytea(None),
-            (ParamType::Timestamptz, Value::Null) => BoundValue::Timestamptz(None),
-            (ParamType::Timestamp, Value::Null) => BoundValue::Timestamp(None),
-            (ParamType::Uuid, Value::Null) => BoundValue::Uuid(None),
-            (ParamType::Bool, Value::Boolean(flag)) => BoundValue::Bool(Some(*flag)),
-            (ParamType::Int2, Value::Integer(integer)) => BoundValue::Int2(Some(
+        Ok(BoundValue(match (self, value) {
+            (ParamType::Bool, Value::Null) => Bound::Bool(None),
+            (ParamType::Int2, Value::Null) => Bound::Int2(None),
+            (ParamType::Int4, Value::Null) => Bound::Int4(None),
+            (ParamType::Int8, Value::Null) => Bound::Int8(None),
+            (ParamType::Float4, Value::Null) => Bound::Float4(None),
+            (ParamType::Float8, Value::Null) => Bound::Float8(None),
+            (ParamType::Text, Value::Null) => Bound::Text(None),
+            (ParamType::Jsonb, Value::Null) => Bound::Jsonb(None),
+            (ParamType::Bytea, Value::Null) => Bound::Bytea(None),
+            (ParamType::Timestamptz, Value::Null) => Bound::Timestamptz(None),
+            (ParamType::Timestamp, Value::Null) => Bound::Timestamp(None),
+            (ParamType::Uuid, Value::Null) => Bound::Uuid(None),
+            (ParamType::Bool, Value::Boolean(flag)) => Bound::Bool(Some(*flag)),
+            (ParamType::Int2, Value::Integer(integer)) => Bound::Int2(Some(
                 i16::try_from(*integer).map_err(|_| out_of_range(*integer))?,
             )),
-            (ParamType::Int4, Value::Integer(integer)) => BoundValue::Int4(Some(
+            (ParamType::Int4, Value::Integer(integer)) => Bound::Int4(Some(
                 i32::try_from(*integer).map_err(|_| out_of_range(*integer))?,
             )),
-            (ParamType::Int8, Value::Integer(integer)) => BoundValue::Int8(Some(*integer)),
-            (ParamType::Float4, Value::Float(float)) => BoundValue::Float4(Some(*float as f32)),
-            (ParamType::Float4, Value::Integer(integer)) => {
-                BoundValue::Float4(Some(*integer as f32))
-            }
-            (ParamType::Float8, Value::Float(float)) => BoundValue::Float8(Some(*float)),
-            (ParamType::Float8, Value::Integer(integer)) => {
-                BoundValue::Float8(Some(*integer as f64))
-            }
+            (ParamType::Int8, Value::Integer(integer)) => Bound::Int8(Some(*integer)),
+            (ParamType::Float4, Value::Float(float)) => Bound::Float4(Some(*float as f32)),
+            (ParamType::Float4, Value::Integer(integer)) => Bound::Float4(Some(*integer as f32)),
+            (ParamType::Float8, Value::Float(float)) => Bound::Float8(Some(*float)),
+            (ParamType::Float8, Value::Integer(integer)) => Bound::Float8(Some(*integer as f64)),
             (ParamType::Text, Value::Text(text)) => {
                 if text.contains('\0') {
                     return Err(Conversion::BadValue(
                         "text contains a NUL character, which Postgres cannot store".into(),
                     ));
                 }
-                BoundValue::Text(Some(text.clone()))
+                Bound::Text(Some(text.clone()))
             }
             (ParamType::Jsonb, Value::Json(text)) => {
-                BoundValue::Jsonb(Some(serde_json::from_str(text).map_err(|error| {
+                Bound::Jsonb(Some(serde_json::from_str(text).map_err(|error| {
                     Conversion::BadValue(format!("invalid JSON: {error}"))
                 })?))
             }
-            (ParamType::Bytea, Value::Bytes(bytes)) => BoundValue::Bytea(Some(bytes.clone())),
+            (ParamType::Bytea, Value::Bytes(bytes)) => Bound::Bytea(Some(bytes.clone())),
             (ParamType::Timestamptz, Value::Timestamp(micros)) => {
-                BoundValue::Timestamptz(Some(timestamp(*micros)?))
+                Bound::Timestamptz(Some(timestamp(*micros)?))
             }
             (ParamType::Timestamp, Value::Timestamp(micros)) => {
-                BoundValue::Timestamp(Some(timestamp(*micros)?.naive_utc()))
+                Bound::Timestamp(Some(timestamp(*micros)?.naive_utc()))
             }
             (ParamType::Uuid, Value::Text(text)) => {
-                BoundValue::Uuid(Some(uuid::Uuid::parse_str(text).map_err(|error| {
+                Bound::Uuid(Some(uuid::Uuid::parse_str(text).map_err(|error| {
                     Conversion::BadValue(format!("invalid UUID: {error}"))
                 })?))
             }
             _ => return Err(Conversion::WrongType),
-        })
+        }))
     }
 }
 
@@ -544,7 +781,7 @@ mod tests {
     fn catalog() -> StatementCatalog {
         let statement = |params: Vec<ParamType>| PreparedStatement {
             sql: String::new(),
-            params: Params::Declared(params),
+            params: Params::Declared(RwLock::new(params)),
         };
         StatementCatalog {
             pipeline: "loyalty".into(),
@@ -565,12 +802,19 @@ mod tests {
     #[track_caller]
     fn check(statement: &str, params: Vec<Value>, expected: Result<(), &str>) {
         let catalog = catalog();
-        match (catalog.bind(statement, &params), expected) {
+        let bound = catalog
+            .bind(statement, &params)
+            .and_then(|bound| match bound.out_of_range() {
+                Some(error) => Err(error.clone()),
+                None => Ok(bound),
+            });
+        match (bound, expected) {
             (Ok(bound), Ok(())) => {
                 assert_eq!(bound.statement, statement);
                 let Params::Declared(types) = &catalog.statements[statement].params else {
                     panic!("declared types");
                 };
+                let types = types.read().expect("types").clone();
                 for (value, param_type) in bound.params().iter().zip(types) {
                     let mut out = BytesMut::new();
                     value
@@ -642,6 +886,85 @@ mod tests {
             vec![Timestamp(i64::MAX)],
             Err("out of the timestamp range"),
         );
+    }
+
+    /// The values of `effect` encoded for `types`, as the driver sends them.
+    #[track_caller]
+    fn encode(values: &[BoundValue], types: &[Type]) {
+        for (value, wire) in values.iter().zip(types) {
+            value
+                .to_sql_checked(wire, &mut BytesMut::new())
+                .unwrap_or_else(|error| panic!("{value:?} as {wire}: {error}"));
+        }
+    }
+
+    /// After a widening migration a session declares wider types than the catalog: the
+    /// values bind again for them, and the catalog adopts them, so a value only the wider
+    /// type takes binds from then on.
+    #[test]
+    fn values_bind_again_for_the_types_a_session_declares() {
+        let catalog = catalog();
+        let given = [Value::Integer(7), Value::Integer(50)];
+        let bound = catalog.bind("credit", &given).expect("binds");
+        let widened = [Type::INT8, Type::INT8];
+        assert!(bound.fits(&[Type::INT8, Type::INT4]));
+        assert!(!bound.fits(&widened));
+        let values = bound.for_session(&widened).expect("binds for int8");
+        encode(&values, &widened);
+        let big = [Value::Integer(7), Value::Integer(1 << 40)];
+        let learned = catalog.bind("credit", &big).expect("binds");
+        assert!(learned.out_of_range().is_none(), "{learned:?}");
+        assert!(learned.fits(&widened));
+        for (value, wire) in learned.params().into_iter().zip(&widened) {
+            value
+                .to_sql_checked(wire, &mut BytesMut::new())
+                .expect("encodes as int8");
+        }
+
+        let stamp = [Value::Timestamp(1_700_000_000_000_000)];
+        let bound = catalog.bind("stamp", &stamp).expect("binds");
+        let values = bound.for_session(&[Type::TIMESTAMP]).expect("timestamp");
+        encode(&values, &[Type::TIMESTAMP]);
+        let text = [Value::Text("hi".into()), Value::Null, Value::Null];
+        let bound = catalog.bind("note", &text).expect("binds");
+        assert!(bound.fits(&[Type::VARCHAR, Type::JSON, Type::UUID]));
+    }
+
+    /// A type the value's kind does not bind to is named with both types; a value out of the
+    /// session's range is the value's problem; a null teaches no change of family.
+    #[test]
+    fn a_session_type_the_value_cannot_bind_to_is_named() {
+        let catalog = catalog();
+        let given = [Value::Integer(7), Value::Integer(50)];
+        let bound = catalog.bind("credit", &given).expect("binds");
+        let error = bound
+            .for_session(&[Type::INT8, Type::JSONB])
+            .expect_err("an integer is no jsonb");
+        assert_eq!(error.sqlstate(), "42804");
+        let message = error.to_string();
+        for fragment in ["\"credit\"", "$2", "jsonb", "int4", "integer"] {
+            assert!(message.contains(fragment), "{message:?} lacks {fragment}");
+        }
+        let error = bound
+            .for_session(&[Type::INT8, Type::NUMERIC])
+            .expect_err("numeric is not bound");
+        assert!(error.to_string().contains("numeric"), "{error}");
+
+        let big = [Value::Integer(1 << 40), Value::Integer(1)];
+        let bound = catalog.bind("credit", &big).expect("binds");
+        let error = bound
+            .for_session(&[Type::INT4, Type::INT4])
+            .expect_err("out of int4's range");
+        assert_eq!(error.sqlstate(), "22003");
+        assert!(error.to_string().contains("out of range"), "{error}");
+
+        let nulls = [Value::Null, Value::Null];
+        let bound = catalog.bind("credit", &nulls).expect("binds");
+        bound
+            .for_session(&[Type::INT8, Type::JSONB])
+            .expect("a null binds to anything");
+        let again = catalog.bind("credit", &given).expect("still int4");
+        assert!(again.fits(&[Type::INT8, Type::INT4]), "{again:?}");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! headers=[a=b] attributes=[exchange=,routing-key=…]`),
 //! and `"echo"` returns `{"key": …, "effects": [{"statement": …, "params": [...]}]}` as given
 //! (JSON integers become `integer`, strings `text`, floats `float`, booleans `boolean`,
-//! `null` `null`; `{"json": …}` becomes `json`).
+//! `null` `null`; `{"json": …}` becomes `json`, `{"timestamp": micros}` `timestamp`).
 
 wit_bindgen::generate!({ path: "../../wit", world: "plugin" });
 
@@ -111,7 +111,10 @@ fn value(json: &Json) -> Value {
             None => Value::Float(number.as_f64().unwrap_or(f64::NAN)),
         },
         Json::String(text) => Value::Text(text.clone()),
-        Json::Object(object) => Value::Json(object.get("json").map(Json::to_string).unwrap_or_default()),
+        Json::Object(object) => match object.get("timestamp").and_then(Json::as_i64) {
+            Some(micros) => Value::Timestamp(micros),
+            None => Value::Json(object.get("json").map(Json::to_string).unwrap_or_default()),
+        },
         Json::Array(_) => Value::Null,
     }
 }

@@ -17,7 +17,7 @@ use super::{
 };
 use crate::config::{JetStreamSource, PipelineConfig, subject_matches};
 use crate::message::InboundMessage;
-use crate::source::dead_letters::{Action, DeadLetter, REPLAYS_HEADER, Selection};
+use crate::source::dead_letters::{Action, DeadLetter, REPLAYS_HEADER, SCAN_MESSAGES, Selection};
 
 /// Goes once through the dead letters on `source`'s dead-letter subject that were stored when
 /// the pass began, oldest first, calls `seen` with each selected one and replays it if
@@ -58,6 +58,15 @@ pub async fn pass(
         };
         next = stored.sequence + 1;
         position += 1;
+        if position > SCAN_MESSAGES {
+            tracing::warn!(
+                pipeline = %pipeline.name,
+                stream = %source.dead_letter_stream,
+                stopped_at = stored.sequence,
+                "The dead-letter pass stopped after {SCAN_MESSAGES} messages; narrow it with --kind, --reason or --since, or replay what it found first."
+            );
+            break;
+        }
         let letter = DeadLetter::recorded(
             position,
             stored.sequence.to_string(),

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{AckPolicy, pull};
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind};
 use async_nats::jetstream::stream::ConsumerErrorKind;
 use async_nats::jetstream::{self, AckKind, ErrorCode, stream};
@@ -22,7 +22,9 @@ use tracing::warn;
 
 pub mod dead_letters;
 
-use crate::config::{JetStreamSource, PipelineConfig, SourceConfig};
+use crate::config::{
+    ClaimMode, ConsumerStart, JetStreamSource, PipelineConfig, SourceConfig, subject_matches,
+};
 use crate::message::InboundMessage;
 use crate::source::{
     self, Delivery, ERROR_KIND_HEADER, REASON_HEADER, REJECTED_AT_HEADER, Source, SourceError,
@@ -189,6 +191,35 @@ struct Route {
     context: jetstream::Context,
     pipeline: String,
     source: JetStreamSource,
+    /// The try each message the plugin asked to retry is on next, by stream sequence. The
+    /// server counts every delivery (a restart, a crash, a late ack each spend one); idem
+    /// counts only the plugin's tries. Kept in memory: after a restart, or on another host,
+    /// a message starts again at try 1, so it gets more tries than `max_attempts`, never
+    /// fewer.
+    tries: std::sync::Mutex<std::collections::HashMap<u64, u32>>,
+}
+
+/// The retried messages a host remembers the tries of at most; past it, it forgets them all
+/// (they start again at try 1).
+const REMEMBERED_TRIES: usize = 100_000;
+
+impl Route {
+    fn next_try(&self, stream_sequence: u64) -> u32 {
+        let tries = self.tries.lock().expect("tries");
+        tries.get(&stream_sequence).copied().unwrap_or(1)
+    }
+
+    fn record_try(&self, stream_sequence: u64, attempt: u32) {
+        let mut tries = self.tries.lock().expect("tries");
+        if tries.len() >= REMEMBERED_TRIES {
+            tries.clear();
+        }
+        tries.insert(stream_sequence, attempt);
+    }
+
+    fn forget(&self, stream_sequence: u64) {
+        self.tries.lock().expect("tries").remove(&stream_sequence);
+    }
 }
 
 /// A delivery from the pipeline's stream.
@@ -196,6 +227,8 @@ pub struct Received {
     message: InboundMessage,
     original: jetstream::Message,
     stream_sequence: u64,
+    /// The server's count of deliveries of this message, this one included.
+    delivered: u32,
     route: Arc<Route>,
     /// Sends in-progress acks while the delivery is held; stops when it is dropped.
     _progress: Option<Ticker>,
@@ -243,15 +276,8 @@ impl Session {
             "stream",
         )
         .await?;
-        ensure_stream(
-            &context,
-            source,
-            &source.dead_letter_stream,
-            source.dead_letter_subject.clone(),
-            "dead_letter_stream",
-        )
-        .await?;
-        let consumer = ensure_consumer(&context, source).await?;
+        ensure_dead_letter_stream(&context, source).await?;
+        let consumer = ensure_consumer(&context, source, claim_window(pipeline)).await?;
         let messages = consumer
             .stream()
             .max_messages_per_batch(usize::from(prefetch).max(1))
@@ -267,6 +293,7 @@ impl Session {
                 context,
                 pipeline: pipeline.name.clone(),
                 source: source.clone(),
+                tries: std::sync::Mutex::default(),
             }),
         })
     }
@@ -391,6 +418,124 @@ async fn ensure_stream(
     }
 }
 
+/// What a dead-letter stream idem creates captures: every subject under its name when the
+/// pipeline's dead-letter subject is one (the default, `<stream>_DEAD_LETTERS.<pipeline>`),
+/// so every pipeline sharing it is captured from the start; otherwise that subject.
+fn dead_letter_capture(source: &JetStreamSource) -> String {
+    let prefix = format!("{}.", source.dead_letter_stream);
+    if source.dead_letter_subject.starts_with(&prefix) {
+        format!("{prefix}>")
+    } else {
+        source.dead_letter_subject.clone()
+    }
+}
+
+/// Whether `stream` captures `source`'s dead-letter subject.
+fn captures_dead_letters(stream: &stream::Info, source: &JetStreamSource) -> bool {
+    stream
+        .config
+        .subjects
+        .iter()
+        .any(|filter| subject_matches(filter, &source.dead_letter_subject))
+}
+
+/// The refusal for a dead-letter stream that does not capture the pipeline's dead-letter
+/// subject and may not be changed (`declare = false`), or refused the change.
+fn not_captured(
+    source: &JetStreamSource,
+    subjects: &[String],
+    reason: Option<String>,
+) -> JetStreamError {
+    JetStreamError::Refused {
+        subject: format!(
+            "{}.dead_letter_stream {:?}",
+            source.table, source.dead_letter_stream
+        ),
+        reason: reason.unwrap_or_else(|| {
+            format!(
+                "it captures {subjects:?}, not the dead-letter subject {:?}: a dead letter could not be stored",
+                source.dead_letter_subject
+            )
+        }),
+        setting: format!(
+            "{table}.dead_letter_subject and dead_letter_stream: the stream must capture the subject (idem adds it with declare = true)",
+            table = source.table
+        ),
+    }
+}
+
+/// Makes sure the dead-letter stream exists and captures the pipeline's dead-letter subject:
+/// created when missing, and, when it exists capturing only other pipelines' subjects (a
+/// second pipeline on the same stream), given this one's too, with `declare`. Several hosts
+/// may do this at once: each change is checked by reading the stream again.
+async fn ensure_dead_letter_stream(
+    context: &jetstream::Context,
+    source: &JetStreamSource,
+) -> Result<(), JetStreamError> {
+    let name = &source.dead_letter_stream;
+    for _ in 0..5 {
+        let Some(stream) = find_stream(context, name).await? else {
+            if !source.declare {
+                return Err(must_exist(source, "dead_letter_stream", name));
+            }
+            let created = context
+                .create_stream(stream::Config {
+                    name: name.clone(),
+                    subjects: vec![dead_letter_capture(source)],
+                    ..stream::Config::default()
+                })
+                .await;
+            match created {
+                Ok(_) => continue,
+                // Another host created it meanwhile, capturing other subjects: look again.
+                Err(error)
+                    if matches!(error.kind(), CreateStreamErrorKind::JetStream(ref inner)
+                        if inner.error_code() == ErrorCode::STREAM_NAME_EXIST) =>
+                {
+                    continue;
+                }
+                Err(error) if matches!(error.kind(), CreateStreamErrorKind::JetStream(_)) => {
+                    return Err(not_captured(source, &[], Some(error.to_string())));
+                }
+                Err(error) => return Err(request_error("create stream", name, error)),
+            }
+        };
+        let info = stream.cached_info().clone();
+        if captures_dead_letters(&info, source) {
+            return Ok(());
+        }
+        if !source.declare {
+            return Err(not_captured(source, &info.config.subjects, None));
+        }
+        let mut config = info.config.clone();
+        config.subjects.push(source.dead_letter_subject.clone());
+        match context.update_stream(&config).await {
+            Ok(_) => {
+                tracing::info!(
+                    stream = %name,
+                    subject = %source.dead_letter_subject,
+                    "The dead-letter stream now captures this pipeline's dead-letter subject too."
+                );
+            }
+            Err(error) if matches!(error.kind(), CreateStreamErrorKind::JetStream(_)) => {
+                return Err(not_captured(
+                    source,
+                    &info.config.subjects,
+                    Some(error.to_string()),
+                ));
+            }
+            Err(error) => return Err(request_error("update stream", name, error)),
+        }
+        // The next turn reads it again: another host's update at the same moment may have
+        // replaced ours.
+    }
+    Err(JetStreamError::Request {
+        action: "make the dead-letter stream capture",
+        name: source.dead_letter_subject.clone(),
+        reason: format!("{name:?} kept changing under concurrent updates"),
+    })
+}
+
 /// The durable pull consumer `source` describes.
 fn wanted(source: &JetStreamSource) -> pull::Config {
     pull::Config {
@@ -403,17 +548,66 @@ fn wanted(source: &JetStreamSource) -> pull::Config {
     }
 }
 
-/// The durable pull consumer: created as configured when missing (with `declare`), and
-/// refused when it exists with other settings than the source's.
+/// How far back a consumer idem creates may start: the claim window with ledger claims
+/// (`start = "window"`), whose claims are deleted past it; `None` for no limit.
+fn claim_window(pipeline: &PipelineConfig) -> Option<Duration> {
+    match (settings(pipeline)?.start, pipeline.claim) {
+        (ConsumerStart::Window, ClaimMode::Ledger) => Some(pipeline.retention.window),
+        _ => None,
+    }
+}
+
+/// The consumer to create for `source`: from the stream's first message, or, when the stream
+/// keeps messages older than `window`, from `window` ago. A consumer created again after an
+/// operator deleted it would otherwise deliver messages whose claims retention removed, and
+/// apply them a second time.
+async fn consumer_to_create(
+    context: &jetstream::Context,
+    source: &JetStreamSource,
+    window: Option<Duration>,
+) -> Result<pull::Config, JetStreamError> {
+    let mut config = wanted(source);
+    let Some(window) = window else {
+        return Ok(config);
+    };
+    let Some(stream) = find_stream(context, &source.stream).await? else {
+        return Ok(config);
+    };
+    let state = &stream.cached_info().state;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let earliest = async_nats::datetime::from_nanos(now.saturating_sub(window).as_nanos() as i128)
+        .map_err(|error| request_error("compute the start of", &source.consumer, error))?;
+    if state.messages > 0 && state.first_timestamp < earliest {
+        warn!(
+            stream = %source.stream,
+            consumer = %source.consumer,
+            window = ?window,
+            first_message = %state.first_timestamp,
+            "The stream keeps messages older than the claim window: the consumer idem creates starts at the window's start, since an older message may have been applied and no claim would recognise it (start = \"all\" delivers them)."
+        );
+        config.deliver_policy = DeliverPolicy::ByStartTime {
+            start_time: earliest,
+        };
+    }
+    Ok(config)
+}
+
+/// The durable pull consumer: created as configured when missing (with `declare`), starting
+/// no earlier than `window` ago (see `consumer_to_create`), and refused when it exists with
+/// other settings than the source's.
 async fn ensure_consumer(
     context: &jetstream::Context,
     source: &JetStreamSource,
+    window: Option<Duration>,
 ) -> Result<jetstream::consumer::Consumer<pull::Config>, JetStreamError> {
     let consumer = match find_consumer(context, source).await? {
         Some(consumer) => consumer,
         None if source.declare => {
+            let config = consumer_to_create(context, source, window).await?;
             match context
-                .create_consumer_on_stream(wanted(source), &source.stream)
+                .create_consumer_on_stream(config, &source.stream)
                 .await
             {
                 Ok(consumer) => consumer,
@@ -514,8 +708,24 @@ pub async fn inspect(source: &JetStreamSource) -> Result<Found, JetStreamError> 
     };
     check_consumer(source, &consumer)?;
     let info = consumer.cached_info();
-    // A count `idem status` can go without: a failed lookup shows as unknown.
-    let dead_letters = dead_letter_count(&context, source).await.ok().flatten();
+    // A dead-letter stream that does not capture this pipeline's subject: `idem run` adds it
+    // with `declare`, and refuses to start without. A failed lookup (`idem status` can go
+    // without the count) shows as unknown.
+    let dead_letter_stream = find_stream(&context, &source.dead_letter_stream)
+        .await
+        .ok()
+        .flatten();
+    if let Some(stream) = &dead_letter_stream
+        && !source.declare
+        && !captures_dead_letters(stream.cached_info(), source)
+    {
+        return Err(not_captured(
+            source,
+            &stream.cached_info().config.subjects,
+            None,
+        ));
+    }
+    let dead_letters = dead_letter_stream.map(|stream| stream.cached_info().state.messages);
     Ok(Found::Ready {
         messages,
         pending: info.num_pending,
@@ -662,6 +872,7 @@ impl Session {
             message,
             original,
             stream_sequence,
+            delivered,
             route: Arc::clone(&self.route),
             _progress: progress,
         })
@@ -714,13 +925,33 @@ pub fn header_pairs(headers: &HeaderMap) -> Vec<(String, String)> {
 impl Received {
     /// Sends `kind` and waits for the server to confirm it got it.
     async fn settle(&self, kind: AckKind) -> bool {
+        let last = matches!(kind, AckKind::Ack | AckKind::Term);
         match self.original.double_ack_with(kind).await {
-            Ok(()) => true,
+            Ok(()) => {
+                if last {
+                    self.route.forget(self.stream_sequence);
+                }
+                true
+            }
             Err(error) => {
                 warn!(pipeline = %self.route.pipeline, %error, "JetStream did not confirm the settlement; the message will be delivered again.");
                 false
             }
         }
+    }
+}
+
+impl Received {
+    /// Why this delivery is the last the server makes (`max_deliver`), if it is: a message
+    /// given back now would be abandoned, neither applied nor dead-lettered.
+    fn last_delivery(&self) -> Option<String> {
+        let max_deliver = self.route.source.max_deliver?;
+        (i64::from(self.delivered) >= max_deliver).then(|| {
+            format!(
+                "this was delivery {} of the {max_deliver} the stream's consumer allows (max_deliver)",
+                self.delivered
+            )
+        })
     }
 }
 
@@ -730,7 +961,7 @@ impl Delivery for Received {
     }
 
     fn attempt(&self) -> u32 {
-        self.message.delivery_count.unwrap_or(1)
+        self.route.next_try(self.stream_sequence)
     }
 
     fn describe(&self) -> String {
@@ -755,15 +986,16 @@ impl Delivery for Received {
         );
         headers.insert(REJECTED_AT_HEADER, unix_seconds().to_string().as_str());
         // The server drops a second copy with the same id, so a dead letter published again
-        // after a lost confirmation is stored once; the producer's id stays beside it.
+        // after a lost confirmation is stored once; the producer's id stays beside it. The
+        // id names the consumer: two pipelines rejecting the same message each keep theirs.
         if let Some(id) = &self.message.message_id {
             headers.insert(MESSAGE_ID_HEADER, id.as_str());
         }
         headers.insert(
             async_nats::header::NATS_MESSAGE_ID,
             format!(
-                "idem-dead-letter:{}:{}",
-                route.source.stream, self.stream_sequence
+                "idem-dead-letter:{}:{}:{}",
+                route.source.stream, route.source.consumer, self.stream_sequence
             )
             .as_str(),
         );
@@ -788,12 +1020,29 @@ impl Delivery for Received {
         }
     }
 
-    async fn retry(&self, _attempt: u32, delay: Duration) -> bool {
-        // The server counts deliveries: the next one is try `attempt`.
+    async fn retry(&self, attempt: u32, delay: Duration) -> bool {
+        if let Some(reason) = self.last_delivery() {
+            return self
+                .dead_letter(
+                    "retries-exhausted",
+                    &format!("the plugin asked for try {attempt}, but {reason}"),
+                )
+                .await;
+        }
+        self.route.record_try(self.stream_sequence, attempt);
         self.settle(AckKind::Nak(Some(delay))).await
     }
 
     async fn requeue(&self) -> bool {
+        if let Some(reason) = self.last_delivery() {
+            // Given back, it would be abandoned: kept as a dead letter, to be replayed.
+            return self
+                .dead_letter(
+                    "deliveries-exhausted",
+                    &format!("the host could not finish it (it is stopping, or the database kept failing), and {reason}"),
+                )
+                .await;
+        }
         self.settle(AckKind::Nak(None)).await
     }
 }

@@ -1,23 +1,35 @@
 //! A RabbitMQ pipeline's dead-letter queue, read for [`source::dead_letters`](super::super::dead_letters).
 //!
 //! AMQP 0-9-1 has no way to read a queue without taking its messages, so a pass takes every
-//! message that was waiting when it began (`basic.get`, unacked), and at the end returns the
-//! ones it keeps with `basic.nack` (requeue), oldest first: the queue keeps its order and its
-//! messages. A replayed message is published to the pipeline's queue, confirmed by the
-//! broker, and only then acked out of the dead-letter queue.
+//! message that was waiting when it began (`basic.get`, unacked) and gives back the ones it
+//! keeps, in their order. On a classic queue they go back at the end with `basic.nack`
+//! (requeue), oldest first, to their places. On a quorum queue a `nack` counts as a delivery,
+//! and past the queue's delivery limit (20 by default from RabbitMQ 4.0) the broker drops the
+//! message: looking would destroy dead letters. There each kept message is renewed at once
+//! instead: a copy published to the end of the queue (confirmed), then the original acked,
+//! which counts nothing and holds nothing in memory. A replayed message is published to the
+//! pipeline's queue, confirmed by the broker, and only then acked out of the dead-letter
+//! queue. A pass stops at `SCAN_MESSAGES` messages, or, on a classic queue, when the messages
+//! it holds reach `SCAN_BYTES`; it says so.
 
 use lapin::options::{BasicGetOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use sha2::{Digest, Sha256};
+use tracing::warn;
 
 use super::{AmqpError, Copy, Receipt, connect_channel, inbound_message, topology};
-use crate::config::{AmqpConfig, PipelineConfig};
+use crate::config::{AmqpConfig, PipelineConfig, QueueType};
 use crate::message::InboundMessage;
-use crate::source::dead_letters::{self, Action, DeadLetter, REPLAYS_HEADER, Selection};
+use crate::source::dead_letters::{
+    self, Action, DeadLetter, REPLAYS_HEADER, SCAN_MESSAGES, Selection,
+};
 
 /// The header naming a dead letter on a queue for good (random, set when it is dead-lettered):
 /// a queue has no sequence numbers, and positions shift as messages leave.
 pub const ID_HEADER: &str = "x-idem-dead-letter-id";
+
+/// The bodies one pass over a classic queue holds (unacked, to give back in order) at most.
+pub const SCAN_BYTES: usize = 64 << 20;
 
 /// Goes once through the messages waiting in `pipeline`'s dead-letter queue, calls `seen`
 /// with each selected one (in queue order), replays it if `action` says so, and returns the
@@ -53,11 +65,25 @@ pub async fn pass(
             source,
         })?
         .message_count();
+    // A quorum queue counts every `nack` against its delivery limit: kept messages are
+    // renewed at once (see the module's words) rather than held and given back.
+    let renew = queues.queue_type == QueueType::Quorum;
     let mut kept = Vec::new();
+    let mut held_bytes = 0;
     let mut selected = 0;
     let mut outcome = Ok(());
     for position in 1..=u64::from(waiting) {
         if selection.is_full(selected) {
+            break;
+        }
+        if position > SCAN_MESSAGES || held_bytes >= SCAN_BYTES {
+            warn!(
+                pipeline = %pipeline.name,
+                queue = %queue,
+                read = position - 1,
+                waiting,
+                "The dead-letter pass stopped before the end of the queue (it reads at most {SCAN_MESSAGES} messages, and holds at most {SCAN_BYTES} bytes of a classic queue's); narrow it with --kind, --reason or --since, or replay what it found first."
+            );
             break;
         }
         let got = match channel
@@ -88,14 +114,22 @@ pub async fn pass(
             .map_or_else(|| digest(&message), |(_, id)| id.clone());
         let letter = DeadLetter::recorded(position, id, message);
         let receipt = Receipt::of(delivery, &acks, 1);
-        if !selection.matches(&letter) {
-            kept.push(receipt);
-            continue;
-        }
-        selected += 1;
-        seen(&letter);
-        if action == Action::Look {
-            kept.push(receipt);
+        let keep = if selection.matches(&letter) {
+            selected += 1;
+            seen(&letter);
+            action == Action::Look
+        } else {
+            true
+        };
+        if keep {
+            if !renew {
+                held_bytes += receipt.body.len();
+                kept.push(receipt);
+            } else if let Err(error) = receipt.requeue(&channel, queue).await {
+                // Not renewed: the channel's close gives it back.
+                outcome = Err(error);
+                break;
+            }
             continue;
         }
         let headers = replay_headers(&receipt, letter.replays + 1);
@@ -115,7 +149,8 @@ pub async fn pass(
             break;
         }
     }
-    // Oldest first, so the queue keeps its order.
+    // Oldest first, so the queue keeps its order (a classic queue's; a quorum queue's kept
+    // messages were renewed already).
     for receipt in kept {
         receipt.nack_requeue().await;
     }
