@@ -16,5 +16,5 @@ if ! rustup target list --installed | grep -qx wasm32-wasip2; then
 fi
 cargo build -p idem-host --bin idem
 IDEM_FAULTS="$profile" cargo test -p idem-e2e --test faults -- --nocapture 2>&1 |
-  grep --line-buffered -E '^(faults:|test |test result)|panicked|assertion'
+  grep --line-buffered -E '^(faults:|soak|test |test result)|verdict|panicked|assertion'
 exit "${PIPESTATUS[0]}"

@@ -819,3 +819,78 @@ async fn a_consumer_created_again_starts_within_the_claim_window() {
     stream.cleanup().await;
     env.cleanup().await;
 }
+
+/// Deliveries the plugin never saw (here two taken and given back by another reader of the
+/// durable consumer; in production restarts, crashes and late acks) do not count as tries:
+/// the plugin gets its tries from 1. And when the server's `max_deliver` runs out first, the
+/// message is dead-lettered on its last delivery, saying so, instead of being abandoned by
+/// the server, neither applied nor dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tries_are_the_plugins_and_the_last_delivery_is_dead_lettered() {
+    use async_nats::jetstream::AckKind;
+    use async_nats::jetstream::consumer::PullConsumer;
+    let env = TestEnv::new("js_tries").await;
+    let stream = TestStream::new(&env.queue).await;
+    let text = config_text(
+        &env,
+        &stream,
+        "chaos",
+        ", max_deliver = 4",
+        "max_attempts = 3",
+    );
+    // The host creates the durable consumer, then stops.
+    let host = env.start_host(parse(&text));
+    wait_for("the consumer created", Duration::from_secs(60), || async {
+        stream.consumer_counts("idem-loyalty").await.is_some()
+    })
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    stream
+        .publish(br#"{"action": "retry"}"#, Some("retry-1"))
+        .await;
+    let consumer: PullConsumer = stream
+        .context
+        .get_consumer_from_stream("idem-loyalty", &stream.name)
+        .await
+        .expect("the durable consumer");
+    for _ in 0..2 {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_secs(5))
+            .messages()
+            .await
+            .expect("fetch");
+        let message = futures::StreamExt::next(&mut batch)
+            .await
+            .expect("a delivery")
+            .expect("a message");
+        message
+            .ack_with(AckKind::Nak(None))
+            .await
+            .expect("given back");
+    }
+    let host = env.start_host(parse(&text));
+    wait_for("the dead letter", Duration::from_secs(60), || async {
+        stream.dead_letters().await.len() == 1
+    })
+    .await;
+    wait_drained(&stream).await;
+    host.stop().await.expect("host stops cleanly");
+    let letters = stream.dead_letters().await;
+    let (_, headers) = &letters[0];
+    let value = |name: &str| {
+        headers
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(value("x-idem-error-kind"), "retries-exhausted");
+    let reason = value("x-idem-reason");
+    // Deliveries 3 and 4 were the plugin's tries 1 and 2; it asked for a third.
+    assert!(reason.contains("asked for try 3"), "{reason}");
+    assert!(reason.contains("delivery 4 of the 4"), "{reason}");
+    stream.cleanup().await;
+    env.cleanup().await;
+}

@@ -7,6 +7,7 @@
 pub mod browser;
 pub mod jetstream;
 pub mod proxy;
+pub mod soak;
 pub mod tls;
 
 use std::path::{Path, PathBuf};
@@ -487,6 +488,30 @@ pub fn spawn_idem(config: &Path, env: &[(&str, &str)]) -> IdemProcess {
         command.env(name, value);
     }
     IdemProcess::spawn(&mut command)
+}
+
+/// Restarts the machine's PostgreSQL cluster (`pg_ctlcluster … restart -m <mode>`: `fast`
+/// or `immediate`); whether it came back. For fault tests, which run one at a time.
+pub fn restart_postgres(mode: &str) -> bool {
+    let Some(version) = std::fs::read_dir("/etc/postgresql")
+        .ok()
+        .and_then(|entries| entries.flatten().next())
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+    else {
+        return false;
+    };
+    Command::new("pg_ctlcluster")
+        .args([
+            "--skip-systemctl-redirect",
+            &version,
+            "main",
+            "restart",
+            "-m",
+            mode,
+        ])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
 }
 
 /// The `[pipelines.<name>]` table of a loyalty-shaped pipeline (the demo's two statements).

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The nemesis soak: two idem hosts serve a RabbitMQ pipeline (ledger claims), a JetStream
+# pipeline (natural claims) and an outbox pipeline while a seeded scheduler injects faults
+# (host SIGKILL and SIGSTOP, PostgreSQL restart, pg_terminate_backend, pg_cancel_backend,
+# schema migrations, a RabbitMQ restart, hot swaps, console and `idem dlq` reads, dead-letter
+# replays); then a checker proves every key applied once, no good message dead-lettered,
+# nothing left unacked, every outbox row delivered. It prints the seed, the fault timeline and
+# the verdict; a failure is tried again with the same seed.
+#   scripts/soak.sh                         # the short profile, a random seed
+#   scripts/soak.sh --seed 42 --minutes 30  # a long run
+# It restarts the local PostgreSQL and RabbitMQ: run it where nothing else depends on them.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+"$root/scripts/services.sh" --nats
+if ! rustup target list --installed | grep -qx wasm32-wasip2; then
+  rustup target add wasm32-wasip2
+fi
+cargo build -p idem-host --bin idem
+cargo run -p idem-e2e --bin idem-soak -- "$@"

@@ -1,0 +1,1012 @@
+//! The nemesis soak: two `idem run` hosts serve three pipelines (a RabbitMQ queue with ledger
+//! claims, a JetStream stream with natural claims, a RabbitMQ queue whose receipts leave
+//! through the outbox to an HTTP endpoint) while a seeded scheduler injects faults drawn from
+//! a catalogue, in the spirit of Jepsen's nemesis and FoundationDB's simulation testing. Then
+//! a checker proves, per key: one claim exactly when every one of its effects is there once,
+//! no good message among the dead letters, nothing left unacked, every outbox row delivered.
+//!
+//! The seed fixes which faults come and in what order; timing is the machine's. The report
+//! prints the seed, the fault timeline and the verdict, so a failure is tried again with
+//! `scripts/soak.sh --seed N`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use lapin::options::BasicPublishOptions;
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Channel, Connection};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::jetstream::TestStream;
+use crate::{IdemProcess, TestEnv, free_port, idem_binary, order, plugin_path, unacked};
+
+/// How long a soak runs and how hard.
+#[derive(Debug, Clone)]
+pub struct Profile {
+    pub seed: u64,
+    /// How long faults are injected while orders are published.
+    pub duration: Duration,
+    /// Distinct orders published to each of the three sources.
+    pub orders: i64,
+}
+
+impl Profile {
+    /// The profile `scripts/test.sh` runs: a couple of minutes.
+    pub fn short(seed: u64) -> Profile {
+        Profile {
+            seed,
+            duration: Duration::from_secs(75),
+            orders: 1_200,
+        }
+    }
+
+    /// `minutes` of faults, with orders to keep the hosts busy throughout.
+    pub fn long(seed: u64, minutes: u64) -> Profile {
+        Profile {
+            seed,
+            duration: Duration::from_secs(minutes * 60),
+            orders: (minutes as i64 * 1_500).max(1_200),
+        }
+    }
+}
+
+/// What a soak found.
+pub struct Report {
+    pub seed: u64,
+    pub passed: bool,
+    pub text: String,
+}
+
+/// The faults the nemesis draws from, each with its weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    KillHost,
+    PauseHost,
+    TerminateBackends,
+    CancelBackends,
+    RestartPostgres,
+    Migration,
+    RestartBroker,
+    HotSwap,
+    ConsoleRead,
+    DeadLetterRead,
+    DeadLetterReplay,
+}
+
+const CATALOGUE: [(Fault, u32); 11] = [
+    (Fault::KillHost, 3),
+    (Fault::PauseHost, 2),
+    (Fault::TerminateBackends, 3),
+    (Fault::CancelBackends, 2),
+    (Fault::RestartPostgres, 1),
+    (Fault::Migration, 2),
+    (Fault::RestartBroker, 1),
+    (Fault::HotSwap, 2),
+    (Fault::ConsoleRead, 2),
+    (Fault::DeadLetterRead, 2),
+    (Fault::DeadLetterReplay, 1),
+];
+
+/// Schema changes a DBA makes under load; each runs once, in this order. Every generated
+/// message satisfies the CHECK.
+const MIGRATIONS: [&str; 4] = [
+    "ALTER TABLE point_ledger ADD COLUMN soak_note text",
+    "ALTER TABLE point_ledger ALTER COLUMN points TYPE bigint",
+    "ALTER TABLE point_ledger ADD CONSTRAINT soak_points_bounded CHECK (points < 1000000) NOT VALID",
+    "CREATE INDEX CONCURRENTLY IF NOT EXISTS soak_ledger_customer ON point_ledger (customer_id)",
+];
+
+fn customer(order_id: i64) -> i64 {
+    order_id % 41
+}
+
+fn total(order_id: i64) -> i64 {
+    100 + (order_id * 61) % 30_000
+}
+
+/// The body of the `n`th malformed message (never valid JSON).
+fn bad_body(n: i64) -> Vec<u8> {
+    format!("soak-malformed-{n} {{").into_bytes()
+}
+
+/// The outbox endpoint: every idempotency key it accepted, with how many times.
+#[derive(Default)]
+struct Endpoint {
+    accepted: BTreeMap<String, u32>,
+}
+
+async fn receive(State(endpoint): State<Arc<Mutex<Endpoint>>>, headers: HeaderMap) -> StatusCode {
+    let Some(key) = headers
+        .get("idempotency-key")
+        .and_then(|value| value.to_str().ok())
+    else {
+        return StatusCode::BAD_REQUEST;
+    };
+    *endpoint
+        .lock()
+        .expect("endpoint")
+        .accepted
+        .entry(key.to_string())
+        .or_default() += 1;
+    StatusCode::OK
+}
+
+/// One `idem run` host and the config it runs with.
+struct HostSlot {
+    config: PathBuf,
+    http_port: u16,
+    process: Option<IdemProcess>,
+    log: PathBuf,
+}
+
+impl HostSlot {
+    fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("host log");
+        let mut command = Command::new(idem_binary());
+        command
+            .args(["run", "--config"])
+            .arg(&self.config)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .env("RUST_LOG", "idem_host=info,warn");
+        self.process = Some(IdemProcess::spawn(&mut command));
+    }
+
+    fn pid(&self) -> Option<u32> {
+        self.process.as_ref().map(|process| process.id())
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut process) = self.process.take() {
+            let _ = process.kill();
+            let _ = process.wait();
+        }
+    }
+
+    fn signal(&self, signal: &str) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill")
+                .args([signal, &pid.to_string()])
+                .status();
+        }
+    }
+
+    /// SIGTERM and a clean exit; `false` if it did not exit 0.
+    fn stop(&mut self) -> bool {
+        match self.process.take() {
+            Some(process) => process.terminate().success(),
+            None => true,
+        }
+    }
+}
+
+/// Runs one soak and checks its outcome.
+pub async fn run(profile: Profile) -> Report {
+    let started = Instant::now();
+    let env = TestEnv::new(&format!("soak{}", profile.seed % 1_000_000)).await;
+    let (receipts_queue, receipts_dead_letters) = env.extra_queues("receipts").await;
+    let stream = TestStream::new(&env.queue).await;
+    sqlx::raw_sql(
+        "ALTER TABLE point_ledger ALTER COLUMN points TYPE integer; \
+         CREATE TABLE natural_ledger (customer_id bigint NOT NULL, order_id bigint PRIMARY KEY, points bigint NOT NULL); \
+         CREATE TABLE natural_balances (customer_id bigint PRIMARY KEY, points bigint NOT NULL)",
+    )
+    .execute(&env.pool)
+    .await
+    .expect("soak tables");
+
+    let endpoint = Arc::new(Mutex::new(Endpoint::default()));
+    let endpoint_port = {
+        let router = Router::new()
+            .route("/receipts", post(receive))
+            .with_state(Arc::clone(&endpoint));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the outbox endpoint");
+        let port = listener.local_addr().expect("address").port();
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        port
+    };
+
+    let directory = std::env::temp_dir().join(&env.database);
+    std::fs::create_dir_all(&directory).expect("soak directory");
+    let mut hosts: Vec<HostSlot> = (0..2)
+        .map(|index| {
+            let http_port = free_port();
+            let config = directory.join(format!("host{index}.toml"));
+            let text = config_text(
+                &env,
+                &stream,
+                &receipts_queue,
+                &receipts_dead_letters,
+                endpoint_port,
+                http_port,
+            );
+            std::fs::write(&config, text).expect("write config");
+            HostSlot {
+                config,
+                http_port,
+                process: None,
+                log: directory.join(format!("host{index}.log")),
+            }
+        })
+        .collect();
+    for host in &mut hosts {
+        host.start();
+    }
+
+    let bad_every = 97;
+    let producer = tokio::spawn(produce(
+        env.queue.clone(),
+        receipts_queue.clone(),
+        stream.context.clone(),
+        stream.subject.clone(),
+        profile.orders,
+        bad_every,
+        profile.duration,
+    ));
+
+    let mut rng = StdRng::seed_from_u64(profile.seed);
+    let mut timeline = Vec::new();
+    let mut migrations = MIGRATIONS.iter();
+    let total_weight: u32 = CATALOGUE.iter().map(|(_, weight)| weight).sum();
+    let faults_end = Instant::now() + profile.duration;
+    while Instant::now() < faults_end {
+        let pause = rng.random_range(1_000..3_500);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let mut pick = rng.random_range(0..total_weight);
+        let fault = CATALOGUE
+            .iter()
+            .find(|(_, weight)| {
+                if pick < *weight {
+                    true
+                } else {
+                    pick -= weight;
+                    false
+                }
+            })
+            .map(|(fault, _)| *fault)
+            .expect("a fault");
+        let target = rng.random_range(0..hosts.len());
+        let amount = rng.random_range(500..3_000u64);
+        let what = inject(fault, target, amount, &mut hosts, &env, &mut migrations).await;
+        let line = format!("{:>7.1}s  {what}", started.elapsed().as_secs_f64());
+        eprintln!("soak: {line}");
+        timeline.push(line);
+    }
+    // Every host back, running, for the end of the run.
+    for host in &mut hosts {
+        host.signal("-CONT");
+        if host
+            .process
+            .as_mut()
+            .is_none_or(|process| matches!(process.try_wait(), Ok(Some(_))))
+        {
+            host.kill();
+            host.start();
+        }
+    }
+    let produced = producer.await.expect("producer");
+    eprintln!(
+        "soak: faults over at {:.1}s; waiting for the hosts to settle",
+        started.elapsed().as_secs_f64()
+    );
+    let settled = settle(&env, &stream, &endpoint, profile.orders).await;
+    let mut stopped_cleanly = true;
+    for host in &mut hosts {
+        stopped_cleanly &= host.stop();
+    }
+
+    let mut failures = Vec::new();
+    if let Err(what) = settled {
+        failures.push(format!("not settled within the time allowed: {what}"));
+    }
+    if !stopped_cleanly {
+        failures.push("a host did not exit 0 on SIGTERM".into());
+    }
+    let mut counts = String::new();
+    check(
+        &env,
+        &stream,
+        &endpoint,
+        &produced,
+        profile.orders,
+        &mut failures,
+        &mut counts,
+    )
+    .await;
+
+    let passed = failures.is_empty();
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "soak seed {} ({:?} of faults, {} orders per source, database {})",
+        profile.seed, profile.duration, profile.orders, env.database
+    );
+    let _ = writeln!(text, "fault timeline ({} faults):", timeline.len());
+    for line in &timeline {
+        let _ = writeln!(text, "  {line}");
+    }
+    let _ = write!(text, "{counts}");
+    if passed {
+        let _ = writeln!(
+            text,
+            "verdict: PASS in {:.0}s",
+            started.elapsed().as_secs_f64()
+        );
+    } else {
+        let _ = writeln!(text, "verdict: FAIL");
+        for failure in &failures {
+            let _ = writeln!(text, "  {failure}");
+        }
+        let _ = writeln!(
+            text,
+            "host logs and configs in {}; run it again with scripts/soak.sh --seed {}",
+            directory.display(),
+            profile.seed
+        );
+    }
+    if passed {
+        stream.cleanup().await;
+        env.cleanup().await;
+        let _ = std::fs::remove_dir_all(&directory);
+    }
+    Report {
+        seed: profile.seed,
+        passed,
+        text,
+    }
+}
+
+/// The config of one host: the three pipelines, the outbox endpoint, its own HTTP port.
+fn config_text(
+    env: &TestEnv,
+    stream: &TestStream,
+    receipts_queue: &str,
+    receipts_dead_letters: &str,
+    endpoint_port: u16,
+    http_port: u16,
+) -> String {
+    format!(
+        r#"{header}
+[http]
+listen = "127.0.0.1:{http_port}"
+
+[outbox]
+poll = "100ms"
+max_attempts = 1000
+
+[outbox.destinations.receipts]
+kind = "http"
+url = "http://127.0.0.1:{endpoint_port}/receipts"
+timeout = "5s"
+
+[pipelines.loyalty]
+consumer = "loyalty"
+plugin = "{loyalty}"
+max_attempts = 3
+workers = 6
+source = {{ kind = "rabbitmq", queue = "{queue}", dead_letter_queue = "{dead_letter_queue}" }}
+
+[pipelines.loyalty.batch]
+size = 16
+
+[pipelines.loyalty.statements]
+{loyalty_statements}
+[pipelines.natural]
+consumer = "natural"
+plugin = "{loyalty}"
+claim = "natural"
+claim_statement = "record_ledger"
+workers = 4
+source = {{ kind = "jetstream", servers = ["{nats}"], stream = "{stream}", subject = "{subject}", dead_letter_subject = "{stream_dead_letter_subject}", dead_letter_stream = "{stream_dead_letters}" }}
+
+[pipelines.natural.statements]
+record_ledger = """
+WITH credit AS (
+  INSERT INTO natural_ledger (customer_id, order_id, points) VALUES ($1, $2, $3)
+  ON CONFLICT (order_id) DO NOTHING
+  RETURNING customer_id, points
+)
+INSERT INTO natural_balances (customer_id, points) SELECT customer_id, points FROM credit
+ON CONFLICT (customer_id) DO UPDATE SET points = natural_balances.points + EXCLUDED.points
+"""
+credit_balance = "SELECT $1::int8, $2::int8"
+
+[pipelines.receipts]
+consumer = "receipts"
+plugin = "{receipts}"
+workers = 4
+source = {{ kind = "rabbitmq", queue = "{receipts_queue}", dead_letter_queue = "{receipts_dead_letters}" }}
+
+[pipelines.receipts.statements]
+record_receipt = "INSERT INTO receipts (order_id, customer_id, total_cents) VALUES ($1, $2, $3)"
+"#,
+        header = env.config_header(),
+        loyalty = plugin_path("loyalty").display(),
+        receipts = plugin_path("receipts").display(),
+        queue = env.queue,
+        dead_letter_queue = env.dead_letter_queue,
+        loyalty_statements = crate::LOYALTY_STATEMENTS,
+        nats = stream.url,
+        stream = stream.name,
+        subject = stream.subject,
+        stream_dead_letter_subject = stream.dead_letter_subject,
+        stream_dead_letters = stream.dead_letter_stream,
+    )
+}
+
+/// What the producer published: every order reached each source at least once (confirmed),
+/// and these malformed bodies.
+struct Produced {
+    bad: BTreeSet<Vec<u8>>,
+    deliveries: u64,
+}
+
+/// Publishes `orders` orders to the loyalty queue, the receipts queue and the stream, spread
+/// over `duration`, with duplicates (every 7th order again) and a malformed message after
+/// every `bad_every`th order. Each publish is retried until the broker confirms it, through
+/// broker restarts.
+async fn produce(
+    queue: String,
+    receipts_queue: String,
+    stream: async_nats::jetstream::Context,
+    subject: String,
+    orders: i64,
+    bad_every: i64,
+    duration: Duration,
+) -> Produced {
+    let mut rabbit = RabbitPublisher::default();
+    let mut produced = Produced {
+        bad: BTreeSet::new(),
+        deliveries: 0,
+    };
+    let pace = duration.div_f64(orders as f64 * 1.1);
+    let mut bodies = Vec::new();
+    for order_id in 1..=orders {
+        let started = Instant::now();
+        bodies.clear();
+        bodies.push(order(order_id, customer(order_id), total(order_id)));
+        if order_id % 7 == 0 {
+            bodies.push(order(order_id, customer(order_id), total(order_id)));
+        }
+        if order_id % bad_every == 0 {
+            let bad = bad_body(order_id / bad_every);
+            produced.bad.insert(bad.clone());
+            bodies.push(bad);
+        }
+        for body in &bodies {
+            rabbit.publish(&queue, body).await;
+            rabbit.publish(&receipts_queue, body).await;
+            while !stored_on_stream(&stream, &subject, body).await {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            produced.deliveries += 3;
+        }
+        if let Some(rest) = pace.checked_sub(started.elapsed()) {
+            tokio::time::sleep(rest).await;
+        }
+    }
+    produced
+}
+
+/// Publishes `body` to `subject`; whether the stream confirmed it stored it.
+async fn stored_on_stream(
+    context: &async_nats::jetstream::Context,
+    subject: &str,
+    body: &[u8],
+) -> bool {
+    let stored = async {
+        context
+            .publish(subject.to_string(), bytes::Bytes::copy_from_slice(body))
+            .await?
+            .await
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(10), stored).await,
+        Ok(Ok(_))
+    )
+}
+
+/// A publisher to RabbitMQ that reconnects after a broker restart.
+#[derive(Default)]
+struct RabbitPublisher {
+    connection: Option<(Connection, Channel)>,
+}
+
+impl RabbitPublisher {
+    /// Publishes `body` to `queue` persistently and waits for the confirm, retrying (on a
+    /// new connection) until the broker confirms it.
+    async fn publish(&mut self, queue: &str, body: &[u8]) {
+        loop {
+            if self
+                .connection
+                .as_ref()
+                .is_none_or(|(_, channel)| !channel.status().connected())
+            {
+                self.connection = match tokio::time::timeout(
+                    Duration::from_secs(5),
+                    crate::try_connect_channel_to(&crate::amqp_url()),
+                )
+                .await
+                {
+                    Ok(Ok(connected)) => Some(connected),
+                    _ => {
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        continue;
+                    }
+                };
+            }
+            let Some((_, channel)) = &self.connection else {
+                continue;
+            };
+            let confirmed = async {
+                channel
+                    .basic_publish(
+                        ShortString::from(""),
+                        ShortString::from(queue),
+                        BasicPublishOptions::default(),
+                        body,
+                        BasicProperties::default().with_delivery_mode(2),
+                    )
+                    .await?
+                    .await
+            };
+            match tokio::time::timeout(Duration::from_secs(10), confirmed).await {
+                Ok(Ok(confirmation)) if confirmation.is_ack() => return,
+                _ => {
+                    self.connection = None;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+}
+
+/// Injects `fault` (on host `target` where it names one, for `amount` milliseconds where it
+/// lasts); returns the timeline's words for it.
+async fn inject(
+    fault: Fault,
+    target: usize,
+    amount: u64,
+    hosts: &mut [HostSlot],
+    env: &TestEnv,
+    migrations: &mut std::slice::Iter<'_, &str>,
+) -> String {
+    match fault {
+        Fault::KillHost => {
+            hosts[target].kill();
+            tokio::time::sleep(Duration::from_millis(amount / 4)).await;
+            hosts[target].start();
+            format!("SIGKILL host {target}, restarted after {} ms", amount / 4)
+        }
+        Fault::PauseHost => {
+            hosts[target].signal("-STOP");
+            tokio::time::sleep(Duration::from_millis(amount)).await;
+            hosts[target].signal("-CONT");
+            format!("SIGSTOP host {target} for {amount} ms")
+        }
+        Fault::TerminateBackends => {
+            let ended = sql_count(
+                env,
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND application_name = 'idem' \
+                 AND pid <> pg_backend_pid()",
+            )
+            .await;
+            format!("pg_terminate_backend on the hosts' sessions ({ended:?})")
+        }
+        Fault::CancelBackends => {
+            let mut cancelled = 0;
+            let until = Instant::now() + Duration::from_millis(amount);
+            while Instant::now() < until {
+                cancelled += sql_count(
+                    env,
+                    "SELECT count(pg_cancel_backend(pid)) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND application_name = 'idem' \
+                     AND state = 'active' AND pid <> pg_backend_pid()",
+                )
+                .await
+                .unwrap_or(0);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            format!("pg_cancel_backend on active queries for {amount} ms ({cancelled} cancels)")
+        }
+        Fault::RestartPostgres => {
+            let status = crate::restart_postgres("fast");
+            format!("PostgreSQL restarted (fast): {status}")
+        }
+        Fault::Migration => match migrations.next() {
+            Some(sql) => {
+                let outcome = match sqlx::raw_sql(sql).execute(&env.pool).await {
+                    Ok(_) => "done".to_string(),
+                    Err(error) => format!("failed: {error}"),
+                };
+                format!("migration `{sql}`: {outcome}")
+            }
+            None => "migration: none left".to_string(),
+        },
+        Fault::RestartBroker => {
+            let stopped = Command::new("rabbitmqctl")
+                .arg("stop_app")
+                .stdout(Stdio::null())
+                .status();
+            tokio::time::sleep(Duration::from_millis(amount / 2)).await;
+            let started = Command::new("rabbitmqctl")
+                .arg("start_app")
+                .stdout(Stdio::null())
+                .status();
+            format!(
+                "RabbitMQ application restarted ({} ms down): {}",
+                amount / 2,
+                stopped.is_ok_and(|status| status.success())
+                    && started.is_ok_and(|status| status.success())
+            )
+        }
+        Fault::HotSwap => {
+            hosts[target].signal("-HUP");
+            format!("hot swap (SIGHUP) on host {target}")
+        }
+        Fault::ConsoleRead => {
+            let port = hosts[target].http_port;
+            let read = tokio::time::timeout(
+                Duration::from_secs(10),
+                tokio::spawn(crate::http_request(
+                    port,
+                    "GET",
+                    "/admin/dead-letters/loyalty",
+                    None,
+                )),
+            )
+            .await;
+            let status = match read {
+                Ok(Ok((status, _))) => status.to_string(),
+                _ => "no answer".into(),
+            };
+            format!("console read of loyalty's dead letters on host {target}: {status}")
+        }
+        Fault::DeadLetterRead | Fault::DeadLetterReplay => {
+            let pipeline = ["loyalty", "natural", "receipts"][(amount % 3) as usize];
+            let args: &[&str] = if fault == Fault::DeadLetterRead {
+                &["dlq", "list"]
+            } else {
+                &["dlq", "replay"]
+            };
+            let config = hosts[target].config.clone();
+            let outcome = tokio::task::spawn_blocking(move || {
+                Command::new(idem_binary())
+                    .args(args)
+                    .args(["--pipeline", pipeline, "--config"])
+                    .arg(config)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status()
+            })
+            .await;
+            let ok = matches!(outcome, Ok(Ok(status)) if status.success());
+            format!(
+                "idem {} --pipeline {pipeline}: exit ok {ok}",
+                args.join(" ")
+            )
+        }
+    }
+}
+
+/// `sql`'s one number, or `None` while the database is away.
+async fn sql_count(env: &TestEnv, sql: &str) -> Option<i64> {
+    sqlx::query_scalar::<_, i64>(sql)
+        .fetch_one(&env.pool)
+        .await
+        .ok()
+}
+
+/// `sql`'s one number, retried while the database is away (2 minutes at most).
+async fn count(env: &TestEnv, sql: &str) -> i64 {
+    let until = Instant::now() + Duration::from_secs(120);
+    loop {
+        match sqlx::query_scalar::<_, i64>(sql).fetch_one(&env.pool).await {
+            Ok(count) => return count,
+            Err(error) if Instant::now() > until => panic!("{sql}: {error}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+}
+
+/// Waits until every order is applied by every pipeline, every receipt delivered, and the
+/// sources hold nothing; `Err` says what is missing after the time allowed.
+async fn settle(
+    env: &TestEnv,
+    stream: &TestStream,
+    endpoint: &Arc<Mutex<Endpoint>>,
+    orders: i64,
+) -> Result<(), String> {
+    let until = Instant::now() + Duration::from_secs(300);
+    loop {
+        let loyalty = count(env, "SELECT count(*) FROM point_ledger").await;
+        let natural = count(env, "SELECT count(*) FROM natural_ledger").await;
+        let receipts = count(env, "SELECT count(*) FROM receipts").await;
+        let delivered = endpoint.lock().expect("endpoint").accepted.len() as i64;
+        let queued = env.ready(&env.queue).await as u64 + unacked(&env.queue);
+        let consumer = stream.consumer_counts("idem-natural").await;
+        let state = format!(
+            "loyalty {loyalty}, natural {natural}, receipts {receipts}, delivered {delivered} of {orders}; loyalty queue holds {queued}; stream consumer {consumer:?}"
+        );
+        if loyalty >= orders
+            && natural >= orders
+            && receipts >= orders
+            && delivered >= orders
+            && queued == 0
+            && consumer == Some((0, 0))
+        {
+            return Ok(());
+        }
+        if Instant::now() > until {
+            return Err(state);
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The checker. Appends each violation to `failures` and the counts to `counts`.
+async fn check(
+    env: &TestEnv,
+    stream: &TestStream,
+    endpoint: &Arc<Mutex<Endpoint>>,
+    produced: &Produced,
+    orders: i64,
+    failures: &mut Vec<String>,
+    counts: &mut String,
+) {
+    let expected: BTreeSet<i64> = (1..=orders).collect();
+    let rows = |sql: &'static str| async move {
+        sqlx::query_as::<_, (String, i64)>(sql)
+            .fetch_all(&env.pool)
+            .await
+            .unwrap_or_else(|error| panic!("{sql}: {error}"))
+    };
+
+    // Ledger claims: one claim exactly when the order's ledger row is there once.
+    let claims: BTreeMap<String, i64> = rows(
+        "SELECT message_key, count(*)::int8 FROM processed_messages WHERE consumer = 'loyalty' GROUP BY 1",
+    )
+    .await
+    .into_iter()
+    .collect();
+    let ledger: BTreeMap<String, i64> =
+        rows("SELECT 'order-completed:' || order_id, count(*)::int8 FROM point_ledger GROUP BY 1")
+            .await
+            .into_iter()
+            .collect();
+    per_key(
+        "loyalty",
+        &expected,
+        |id| format!("order-completed:{id}"),
+        &claims,
+        &ledger,
+        failures,
+    );
+    let natural: BTreeMap<String, i64> = rows(
+        "SELECT 'order-completed:' || order_id, count(*)::int8 FROM natural_ledger GROUP BY 1",
+    )
+    .await
+    .into_iter()
+    .collect();
+    per_key(
+        "natural",
+        &expected,
+        |id| format!("order-completed:{id}"),
+        &natural,
+        &natural,
+        failures,
+    );
+    let receipt_claims: BTreeMap<String, i64> = rows(
+        "SELECT message_key, count(*)::int8 FROM processed_messages WHERE consumer = 'receipts' GROUP BY 1",
+    )
+    .await
+    .into_iter()
+    .collect();
+    let receipts: BTreeMap<String, i64> =
+        rows("SELECT 'receipt:' || order_id, count(*)::int8 FROM receipts GROUP BY 1")
+            .await
+            .into_iter()
+            .collect();
+    per_key(
+        "receipts",
+        &expected,
+        |id| format!("receipt:{id}"),
+        &receipt_claims,
+        &receipts,
+        failures,
+    );
+    for (table, sums) in [
+        ("balances", "point_ledger"),
+        ("natural_balances", "natural_ledger"),
+    ] {
+        let mismatched = count(
+            env,
+            &format!(
+                "SELECT count(*) FROM {table} b FULL JOIN \
+                 (SELECT customer_id, sum(points) AS points FROM {sums} GROUP BY customer_id) l \
+                 USING (customer_id) WHERE b.points IS DISTINCT FROM l.points"
+            ),
+        )
+        .await;
+        if mismatched > 0 {
+            failures.push(format!(
+                "{table}: {mismatched} customers' balances differ from {sums}"
+            ));
+        }
+    }
+
+    // The outbox: every receipt delivered, none parked or pending.
+    let undelivered = count(
+        env,
+        "SELECT count(*) FROM idem_outbox WHERE delivered_at IS NULL",
+    )
+    .await;
+    let accepted = endpoint.lock().expect("endpoint").accepted.clone();
+    let missing: Vec<i64> = expected
+        .iter()
+        .copied()
+        .filter(|id| !accepted.contains_key(&format!("receipt:{id}")))
+        .collect();
+    let foreign = accepted
+        .keys()
+        .filter(|key| {
+            key.strip_prefix("receipt:")
+                .and_then(|id| id.parse::<i64>().ok())
+                .is_none_or(|id| !expected.contains(&id))
+        })
+        .count();
+    let redelivered: u32 = accepted.values().map(|times| times - 1).sum();
+    if undelivered > 0 || !missing.is_empty() || foreign > 0 {
+        failures.push(format!(
+            "outbox: {undelivered} rows undelivered, {} receipts never delivered (first {:?}), {foreign} unknown keys",
+            missing.len(),
+            missing.iter().take(5).collect::<Vec<_>>()
+        ));
+    }
+
+    // Dead letters: only the malformed messages, each of them, on every source.
+    let mut dead = BTreeMap::new();
+    for (pipeline, queue) in [
+        ("loyalty", env.dead_letter_queue.clone()),
+        ("receipts", format!("{}-receipts.dead-letter", env.queue)),
+    ] {
+        let bodies: Vec<Vec<u8>> = env
+            .drain(&queue)
+            .await
+            .into_iter()
+            .map(|(body, _)| body.into_bytes())
+            .collect();
+        dead.insert(pipeline, bodies);
+    }
+    let natural_dead = stream
+        .dead_letters()
+        .await
+        .into_iter()
+        .filter(|(_, headers)| {
+            headers
+                .iter()
+                .any(|(name, value)| name == "x-idem-pipeline" && value == "natural")
+        })
+        .map(|(body, _)| body)
+        .collect();
+    dead.insert("natural", natural_dead);
+    for (pipeline, bodies) in &dead {
+        let good = bodies
+            .iter()
+            .filter(|body| !produced.bad.contains(*body))
+            .count();
+        let distinct: BTreeSet<&Vec<u8>> = bodies.iter().collect();
+        let absent = produced
+            .bad
+            .iter()
+            .filter(|bad| !distinct.contains(bad))
+            .count();
+        if good > 0 || absent > 0 {
+            failures.push(format!(
+                "{pipeline}: {good} good messages among the dead letters, {absent} malformed ones missing from them"
+            ));
+        }
+    }
+
+    // Nothing left in the sources.
+    for queue in [env.queue.clone(), format!("{}-receipts", env.queue)] {
+        let left = env.ready(&queue).await as u64 + unacked(&queue);
+        if left > 0 {
+            failures.push(format!("{queue}: {left} messages left (ready or unacked)"));
+        }
+    }
+    let consumer = stream.consumer_counts("idem-natural").await;
+    if consumer != Some((0, 0)) {
+        failures.push(format!(
+            "stream consumer idem-natural: pending and unacknowledged {consumer:?}"
+        ));
+    }
+
+    let _ = writeln!(
+        counts,
+        "published {} deliveries ({orders} orders per source, {} malformed per source); \
+         claims loyalty {} / receipts {}; rows point_ledger {} natural_ledger {} receipts {}; \
+         dead letters loyalty {} natural {} receipts {}; receipts delivered {} (+{redelivered} repeats with the same key)",
+        produced.deliveries,
+        produced.bad.len(),
+        claims.len(),
+        receipt_claims.len(),
+        ledger.values().sum::<i64>(),
+        natural.values().sum::<i64>(),
+        receipts.values().sum::<i64>(),
+        dead["loyalty"].len(),
+        dead["natural"].len(),
+        dead["receipts"].len(),
+        accepted.len(),
+    );
+}
+
+/// For each expected key: one claim exactly when its effect row is there once; and no claim
+/// or row for a key never published.
+fn per_key(
+    pipeline: &str,
+    expected: &BTreeSet<i64>,
+    key_of: impl Fn(i64) -> String,
+    claims: &BTreeMap<String, i64>,
+    effects: &BTreeMap<String, i64>,
+    failures: &mut Vec<String>,
+) {
+    let mut lost = Vec::new();
+    let mut doubled = Vec::new();
+    let mut orphan_claims = Vec::new();
+    let mut unclaimed = Vec::new();
+    for id in expected {
+        let key = key_of(*id);
+        let claim = claims.get(&key).copied().unwrap_or(0);
+        let rows = effects.get(&key).copied().unwrap_or(0);
+        match (claim, rows) {
+            (1, 1) => {}
+            (0, 0) => lost.push(*id),
+            (_, 0) => orphan_claims.push(*id),
+            (0, _) => unclaimed.push(*id),
+            _ => doubled.push(*id),
+        }
+    }
+    let expected_keys: BTreeSet<String> = expected.iter().map(|id| key_of(*id)).collect();
+    let unexpected = claims
+        .keys()
+        .chain(effects.keys())
+        .filter(|key| !expected_keys.contains(*key))
+        .count();
+    let first = |ids: &[i64]| ids.iter().take(5).copied().collect::<Vec<_>>();
+    if !lost.is_empty()
+        || !doubled.is_empty()
+        || !orphan_claims.is_empty()
+        || !unclaimed.is_empty()
+        || unexpected > 0
+    {
+        failures.push(format!(
+            "{pipeline}: {} lost (first {:?}), {} doubled (first {:?}), {} claims without their effects (first {:?}), {} effects without their claim (first {:?}), {unexpected} unexpected keys",
+            lost.len(),
+            first(&lost),
+            doubled.len(),
+            first(&doubled),
+            orphan_claims.len(),
+            first(&orphan_claims),
+            unclaimed.len(),
+            first(&unclaimed),
+        ));
+    }
+}
