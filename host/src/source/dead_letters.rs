@@ -15,9 +15,7 @@ use std::time::{Duration, SystemTime};
 
 use serde_json::json;
 
-use super::{
-    ERROR_KIND_HEADER, HOST_HEADER_PREFIX, REASON_HEADER, REJECTED_AT_HEADER, SourceError, one_line,
-};
+use super::{SourceError, headers, one_line};
 use super::{jetstream, rabbitmq};
 use crate::config::{AmqpConfig, PipelineConfig, SourceConfig};
 use crate::message::InboundMessage;
@@ -25,16 +23,6 @@ use crate::message::InboundMessage;
 /// The dead letters one pass reads at most, whatever it selects: a pass that matches nothing
 /// in a huge dead-letter queue ends, and says where it stopped.
 pub const SCAN_MESSAGES: u64 = 100_000;
-
-/// How many times a message has been replayed out of the dead letters.
-pub const REPLAYS_HEADER: &str = "x-idem-replays";
-
-/// Whether header `name` is one of the host's diagnostics of the last failure (`x-idem-*`),
-/// which a replay leaves out.
-pub(super) fn is_diagnostic(name: &str) -> bool {
-    name.get(..HOST_HEADER_PREFIX.len())
-        .is_some_and(|prefix| prefix.eq_ignore_ascii_case(HOST_HEADER_PREFIX))
-}
 
 /// Which dead letters a command acts on; every given filter must match.
 #[derive(Debug, Clone, Default)]
@@ -82,7 +70,7 @@ impl DeadLetter {
                 .map(|(_, value)| value.clone())
         };
         let number = |name: &str| header(name).and_then(|text| text.trim().parse::<u64>().ok());
-        let age = number(REJECTED_AT_HEADER).map(|seconds| {
+        let age = number(headers::REJECTED_AT).map(|seconds| {
             let rejected = SystemTime::UNIX_EPOCH + Duration::from_secs(seconds);
             SystemTime::now()
                 .duration_since(rejected)
@@ -91,10 +79,10 @@ impl DeadLetter {
         DeadLetter {
             position,
             id,
-            kind: header(ERROR_KIND_HEADER),
-            reason: header(REASON_HEADER),
+            kind: header(headers::ERROR_KIND),
+            reason: header(headers::REASON),
             age,
-            replays: number(REPLAYS_HEADER).unwrap_or(0),
+            replays: number(headers::REPLAYS).unwrap_or(0),
             message,
         }
     }

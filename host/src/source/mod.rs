@@ -9,6 +9,7 @@
 //! broker before the original is acknowledged.
 
 pub mod dead_letters;
+pub mod headers;
 pub mod jetstream;
 pub mod rabbitmq;
 
@@ -23,14 +24,6 @@ use crate::message::InboundMessage;
 use self::jetstream::JetStreamError;
 use self::rabbitmq::AmqpError;
 
-/// The prefix of the headers the host writes on the messages it sets aside.
-pub const HOST_HEADER_PREFIX: &str = "x-idem-";
-/// The header a dead letter carries its reason in, on every source.
-pub const REASON_HEADER: &str = "x-idem-reason";
-/// The header carrying the class of the failure (`invalid-input`, `plugin-trap`, `sql`, …).
-pub const ERROR_KIND_HEADER: &str = "x-idem-error-kind";
-/// The header carrying when the message was dead-lettered (Unix seconds).
-pub const REJECTED_AT_HEADER: &str = "x-idem-rejected-at";
 /// Longest reason kept in a header, in bytes.
 const REASON_BYTES: usize = 4096;
 

@@ -1,4 +1,4 @@
-//! `idem check` and `idem status`: is this config ready to run, and how is it doing.
+//! `idem check`: is this config ready to run.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -9,10 +9,28 @@ use idem_host::sandbox::PluginRuntime;
 use idem_host::source::{jetstream, rabbitmq};
 use idem_host::store::database;
 use idem_host::store::statement::StatementCatalog;
-use sha2::Digest;
+
+use crate::ConfigArg;
+
+/// Validate the config, compile every plugin, prepare every statement, and check RabbitMQ
+/// (credentials, vhost, every queue's existence and arguments); list every problem.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// Check the file and the plugins only; contact neither PostgreSQL nor RabbitMQ.
+    #[arg(long)]
+    offline: bool,
+}
+
+impl Args {
+    pub async fn run(self) -> anyhow::Result<ExitCode> {
+        check(&self.config.config, self.offline).await
+    }
+}
 
 /// Collects every problem instead of stopping at the first.
-pub async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
+async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
     let config = Config::load(path)?;
     let runtime = PluginRuntime::for_config(&config)?;
     let mut problems = Vec::new();
@@ -191,92 +209,4 @@ async fn check_broker(config: &Config, problems: &mut Vec<String>) {
         }
     }
     let _ = connection.close(200, "check done".into()).await;
-}
-
-pub async fn status(path: &Path) -> anyhow::Result<ExitCode> {
-    let config = Config::load(path)?;
-    let pool = database::connect_once(&config.database).await.ok();
-    for pipeline_config in &config.pipelines {
-        println!(
-            "pipeline {:?} (consumer {:?})",
-            pipeline_config.name, pipeline_config.consumer
-        );
-        let plugin = match std::fs::read(&pipeline_config.plugin) {
-            Ok(bytes) => format!("sha256:{:x}", sha2::Sha256::digest(&bytes)),
-            Err(error) => format!("unreadable: {error}"),
-        };
-        println!(
-            "  plugin file   {} ({plugin})",
-            pipeline_config.plugin.display()
-        );
-        if let Some(source) = jetstream::settings(pipeline_config) {
-            let state = match jetstream::inspect(source).await {
-                Ok(jetstream::Found::StreamMissing) => "not created yet".to_string(),
-                Ok(jetstream::Found::ConsumerMissing { messages }) => {
-                    format!("{messages} messages; consumer not created yet")
-                }
-                Ok(jetstream::Found::Ready {
-                    messages,
-                    pending,
-                    unacknowledged,
-                    dead_letters,
-                }) => format!(
-                    "{messages} messages, {pending} not delivered, {unacknowledged} unacknowledged; dead letters: {}",
-                    dead_letters.map_or("none yet".to_string(), |count| count.to_string())
-                ),
-                Err(error) => format!("unknown ({error})"),
-            };
-            println!("  stream        {:?}: {state}", source.stream);
-        } else {
-            for (label, queue) in [
-                ("queue", pipeline_config.queue()),
-                ("dead letters", pipeline_config.dead_letter()),
-            ] {
-                let depth = match &config.amqp {
-                    Some(amqp) => rabbitmq::queue_depth(amqp, queue).await,
-                    None => Err(rabbitmq::AmqpError::NotConfigured {
-                        pipeline: pipeline_config.name.clone(),
-                    }),
-                };
-                let depth = match depth {
-                    Ok(Some(depth)) => {
-                        format!("{} ready, {} consumers", depth.ready, depth.consumers)
-                    }
-                    Ok(None) => "not declared yet".to_string(),
-                    Err(error) => format!("unknown ({error})"),
-                };
-                println!("  {label:<13} {queue:?}: {depth}");
-            }
-        }
-        if let Some(pool) = &pool {
-            let claims: Result<(i64, Option<f64>), _> = sqlx::query_as(
-                "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
-                 FROM processed_messages WHERE consumer = $1",
-            )
-            .bind(&pipeline_config.consumer)
-            .fetch_one(pool)
-            .await;
-            match claims {
-                Ok((count, oldest)) => println!(
-                    "  claims        {count} (oldest {}, window {:?})",
-                    oldest.map_or("-".to_string(), |seconds| format!("{:.0} s ago", seconds)),
-                    pipeline_config.retention.window
-                ),
-                Err(error) => println!("  claims        unknown ({error})"),
-            }
-        }
-    }
-    if let (Some(pool), Some(_)) = (&pool, &config.outbox) {
-        match idem_host::store::outbox::backlog(pool).await {
-            Ok(backlog) => println!(
-                "outbox: {} pending, {} parked, {} delivered (kept for retention)",
-                backlog.pending, backlog.parked, backlog.delivered
-            ),
-            Err(error) => println!("outbox: unknown ({error})"),
-        }
-    }
-    if pool.is_none() {
-        println!("(database unreachable: claims not shown)");
-    }
-    Ok(ExitCode::SUCCESS)
 }

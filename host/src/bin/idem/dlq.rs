@@ -1,14 +1,126 @@
-//! `idem dlq` and `idem outbox`: what failed and was kept aside, looked at and sent again.
+//! `idem dlq`: a pipeline's dead letters, looked at and replayed by selection.
 
 use std::path::Path;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::Context;
 
 use idem_host::config::{Config, PipelineConfig};
 use idem_host::source::dead_letters::{self, Action, PREVIEW_CHARS, Selection, cut_line};
-use idem_host::store::{database, outbox};
+
+use crate::ConfigArg;
+use crate::table::{format_age, print_table};
+
+/// Dead letters: list, show, and replay by error kind, reason or age.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: DlqArgs,
+}
+
+impl Args {
+    pub async fn run(self) -> anyhow::Result<ExitCode> {
+        let (target, selection, command) = match self.command {
+            DlqArgs::List {
+                target,
+                filter,
+                json,
+            } => (target, filter.selection(), DlqCommand::List { json }),
+            DlqArgs::Show {
+                target,
+                number,
+                json,
+            } => (
+                target,
+                Selection::default(),
+                DlqCommand::Show {
+                    position: number,
+                    json,
+                },
+            ),
+            DlqArgs::Replay {
+                target,
+                filter,
+                dry_run,
+            } => (target, filter.selection(), DlqCommand::Replay { dry_run }),
+        };
+        dlq(&target.config.config, &target.pipeline, selection, command).await
+    }
+}
+
+/// The pipeline whose dead-letter queue a `dlq` command reads.
+#[derive(clap::Args)]
+struct DlqTarget {
+    #[command(flatten)]
+    config: ConfigArg,
+    #[arg(long, short)]
+    pipeline: String,
+}
+
+/// Which dead letters a `dlq` command acts on; all given filters must match.
+#[derive(clap::Args)]
+struct DlqFilter {
+    /// The error kind, e.g. invalid-input, plugin-trap, retries-exhausted, sql.
+    #[arg(long)]
+    kind: Option<String>,
+    /// A fragment of the reason.
+    #[arg(long)]
+    reason: Option<String>,
+    /// Dead-lettered at most this long ago, e.g. 30m or 2h.
+    #[arg(long, value_parser = idem_host::config::parse_duration)]
+    since: Option<std::time::Duration>,
+    /// At most this many messages.
+    #[arg(long)]
+    limit: Option<u64>,
+}
+
+impl DlqFilter {
+    fn selection(self) -> Selection {
+        Selection {
+            kind: self.kind,
+            reason: self.reason,
+            since: self.since,
+            ids: None,
+            limit: self.limit,
+        }
+    }
+}
+
+#[derive(clap::Subcommand)]
+enum DlqArgs {
+    /// List dead letters, oldest first: number, age, error kind, reason, body preview. Every
+    /// message is looked at and returned in its order; nothing is consumed.
+    List {
+        #[command(flatten)]
+        target: DlqTarget,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one dead letter in full: headers, properties and body.
+    Show {
+        #[command(flatten)]
+        target: DlqTarget,
+        /// Its number in `idem dlq list`.
+        number: u64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Move the matching dead letters to the pipeline's queue (original headers kept, plus
+    /// x-idem-replays); the others stay where they are.
+    Replay {
+        #[command(flatten)]
+        target: DlqTarget,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Show what would move; move nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
 
 pub enum DlqCommand {
     List { json: bool },
@@ -175,117 +287,4 @@ async fn replay(
         }
     );
     Ok(ExitCode::SUCCESS)
-}
-
-pub enum OutboxCommand {
-    List {
-        parked: bool,
-        json: bool,
-    },
-    Retry {
-        destination: Option<String>,
-        id: Option<i64>,
-    },
-}
-
-pub async fn outbox(path: &Path, command: OutboxCommand) -> anyhow::Result<ExitCode> {
-    let config = Config::load(path)?;
-    let pool = database::connect_once(&config.database).await?;
-    match command {
-        OutboxCommand::List { parked, json } => {
-            let rows = outbox::undelivered(&pool, parked, 1000).await?;
-            if json {
-                let rows: Vec<_> = rows.iter().map(outbox::Undelivered::json).collect();
-                println!("{}", serde_json::to_string_pretty(&rows)?);
-                return Ok(ExitCode::SUCCESS);
-            }
-            let count = rows.len();
-            let table = rows
-                .into_iter()
-                .map(|row| {
-                    [
-                        row.id.to_string(),
-                        if row.parked { "parked" } else { "pending" }.to_string(),
-                        row.destination,
-                        row.idempotency_key,
-                        row.attempts.to_string(),
-                        format_age(Duration::from_secs_f64(row.age_seconds.max(0.0))),
-                        cut_line(row.last_error.as_deref().unwrap_or("-"), 80),
-                    ]
-                })
-                .collect();
-            print_table(
-                &[
-                    "ID",
-                    "STATE",
-                    "DESTINATION",
-                    "KEY",
-                    "ATTEMPTS",
-                    "AGE",
-                    "LAST ERROR",
-                ],
-                table,
-            );
-            eprintln!(
-                "{count} {} outbox row(s){}",
-                if parked { "parked" } else { "undelivered" },
-                if count == 1000 {
-                    " (the oldest 1000)"
-                } else {
-                    ""
-                }
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-        OutboxCommand::Retry { destination, id } => {
-            let ids = outbox::retry_parked(&pool, destination.as_deref(), id).await?;
-            if ids.is_empty() {
-                println!("no parked outbox row matched; nothing to retry");
-                return Ok(ExitCode::FAILURE);
-            }
-            println!(
-                "{} parked row(s) are pending again ({}); a running `idem run` delivers them on its relay's next pass",
-                ids.len(),
-                ids.iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-    }
-}
-
-fn print_table<const N: usize>(header: &[&str; N], rows: Vec<[String; N]>) {
-    let mut widths = header.map(|title| title.chars().count());
-    for row in &rows {
-        for (width, cell) in widths.iter_mut().zip(row) {
-            *width = (*width).max(cell.chars().count());
-        }
-    }
-    let line = |cells: Vec<&str>| {
-        let mut text = String::new();
-        for (index, (cell, width)) in cells.iter().zip(widths).enumerate() {
-            if index + 1 == N {
-                text.push_str(cell);
-            } else {
-                text.push_str(&format!("{cell:<width$}  "));
-            }
-        }
-        println!("{}", text.trim_end());
-    };
-    line(header.to_vec());
-    for row in &rows {
-        line(row.iter().map(String::as_str).collect());
-    }
-}
-
-fn format_age(age: Duration) -> String {
-    let seconds = age.as_secs();
-    match seconds {
-        0..60 => format!("{seconds}s"),
-        60..3600 => format!("{}m", seconds / 60),
-        3600..86400 => format!("{}h{:02}m", seconds / 3600, seconds % 3600 / 60),
-        _ => format!("{}d{:02}h", seconds / 86400, seconds % 86400 / 3600),
-    }
 }

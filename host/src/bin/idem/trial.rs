@@ -1,29 +1,72 @@
-//! `idem try` and `idem test`: a plugin's decisions without a broker, checked against the
-//! pipeline's statements as `idem run` would check them.
+//! `idem try`: a plugin's decision on one message without a broker, checked against the
+//! pipeline's statements as `idem run` would check them. `idem test` shares how a pipeline
+//! and its statements are found.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
 
-use idem_host::cases::{self, Origin, Trial};
-use idem_host::config::{Config, PipelineConfig, PluginLimits};
+use idem_host::cases::{self, Origin};
+use idem_host::config::{Config, PipelineConfig};
 use idem_host::effect::Outcome;
 use idem_host::pipeline;
 use idem_host::sandbox::PluginRuntime;
-use idem_host::source::rabbitmq;
 use idem_host::store::database;
 use idem_host::store::statement::StatementCatalog;
 
-/// The delivery properties `idem try` sets from its flags.
-pub struct Delivery {
-    pub headers: Vec<String>,
-    pub subject: Option<String>,
-    pub message_id: Option<String>,
-    pub redelivered: bool,
+use crate::ConfigArg;
+
+/// Run a pipeline's plugin on one message and print its decision (no broker); its effects
+/// are checked against the pipeline's statements (types too when PostgreSQL is reachable).
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// The pipeline whose plugin and limits to use.
+    #[arg(long, short)]
+    pipeline: String,
+    /// A file holding the message body (`-` reads stdin).
+    #[arg(long, short)]
+    message: PathBuf,
+    #[command(flatten)]
+    delivery: Delivery,
+    /// Check effects against the config's statements without contacting PostgreSQL.
+    #[arg(long)]
+    offline: bool,
 }
 
-pub async fn try_message(
+impl Args {
+    pub async fn run(self) -> anyhow::Result<ExitCode> {
+        try_message(
+            &self.config.config,
+            &self.pipeline,
+            &self.message,
+            self.delivery,
+            self.offline,
+        )
+        .await
+    }
+}
+
+/// The delivery properties `idem try` sets from its flags.
+#[derive(clap::Args)]
+struct Delivery {
+    /// A message header, NAME=VALUE (repeatable).
+    #[arg(long = "header", value_name = "NAME=VALUE")]
+    headers: Vec<String>,
+    /// The subject, or RabbitMQ's routing key (default: the pipeline's queue).
+    #[arg(long, visible_alias = "routing-key")]
+    subject: Option<String>,
+    /// The message-id property.
+    #[arg(long)]
+    message_id: Option<String>,
+    /// Mark the delivery as redelivered.
+    #[arg(long)]
+    redelivered: bool,
+}
+
+async fn try_message(
     path: &Path,
     pipeline_name: &str,
     message: &Path,
@@ -93,111 +136,7 @@ pub async fn try_message(
     }
 }
 
-/// Where `idem test` takes its plugin, limits and statements from.
-pub struct TestTarget {
-    pub plugin: Option<PathBuf>,
-    pub config: Option<PathBuf>,
-    pub pipeline: Option<String>,
-    pub offline: bool,
-}
-
-pub async fn test(target: TestTarget, cases_path: &Path) -> anyhow::Result<ExitCode> {
-    let cases = cases::load(cases_path)?;
-    let (runtime, plugin, pipeline_config, statements) = match &target.config {
-        Some(config_path) => {
-            let config = Config::load(config_path)?;
-            let pipeline_config = match &target.pipeline {
-                Some(name) => pipeline_named(&config, name)?.clone(),
-                None => match &config.pipelines[..] {
-                    [only] => only.clone(),
-                    _ => anyhow::bail!(
-                        "{} has {} pipelines: name one with --pipeline",
-                        config.path.display(),
-                        config.pipelines.len()
-                    ),
-                },
-            };
-            let mut pipeline_config = pipeline_config;
-            if let Some(plugin) = &target.plugin {
-                pipeline_config.plugin = plugin.clone();
-            }
-            let runtime = PluginRuntime::for_config(&config)?;
-            let plugin = pipeline::load_plugin(&runtime, &pipeline_config).await?;
-            let statements = statements(&config, &pipeline_config, target.offline).await;
-            (runtime, plugin, Some(pipeline_config), Some(statements))
-        }
-        None => {
-            let path = target
-                .plugin
-                .clone()
-                .context("name the plugin with --plugin X.wasm (or a pipeline with --config)")?;
-            let runtime = PluginRuntime::new()?;
-            let loading = runtime.clone();
-            let plugin = tokio::task::spawn_blocking(move || loading.load(&path)).await??;
-            (runtime, plugin, None, None)
-        }
-    };
-    let checked_against = match (&pipeline_config, &statements) {
-        (Some(pipeline_config), Some(statements)) => format!(
-            "; effects checked against pipeline {:?} ({})",
-            pipeline_config.name,
-            if statements.types_known() {
-                "names, parameter counts and types from PostgreSQL"
-            } else {
-                "names and parameter counts; no database, so types unchecked"
-            }
-        ),
-        _ => String::new(),
-    };
-    println!(
-        "idem test: {} ({}) against {}{checked_against}",
-        plugin.path.display(),
-        plugin.digest,
-        cases_path.display()
-    );
-    let default_limits = PluginLimits::default();
-    let run = Trial {
-        runtime: &runtime,
-        plugin: &plugin,
-        limits: pipeline_config
-            .as_ref()
-            .map_or(&default_limits, |pipeline_config| &pipeline_config.limits),
-        origin: pipeline_config.as_ref().map_or(
-            Origin {
-                pipeline: "test",
-                source: rabbitmq::KIND,
-                queue: "",
-            },
-            Origin::of,
-        ),
-        fit: pipeline_config.as_ref().zip(statements.as_ref()),
-    };
-    let mut failed = 0;
-    for case in &cases {
-        let differences = run.differences(case).await;
-        if differences.is_empty() {
-            println!("ok   {}", case.name);
-        } else {
-            failed += 1;
-            println!("FAIL {}", case.name);
-            for difference in differences {
-                println!("       {difference}");
-            }
-        }
-    }
-    println!(
-        "{} case(s): {} passed, {failed} failed",
-        cases.len(),
-        cases.len() - failed
-    );
-    Ok(if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
-}
-
-fn pipeline_named<'config>(
+pub fn pipeline_named<'config>(
     config: &'config Config,
     name: &str,
 ) -> anyhow::Result<&'config PipelineConfig> {
@@ -217,7 +156,7 @@ fn pipeline_named<'config>(
 
 /// The pipeline's statements as PostgreSQL prepares them, or, when it is out of reach (or
 /// `offline`), as the config declares them: names and parameter counts only.
-async fn statements(
+pub async fn statements(
     config: &Config,
     pipeline_config: &PipelineConfig,
     offline: bool,

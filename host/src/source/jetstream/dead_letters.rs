@@ -12,12 +12,12 @@ use async_nats::jetstream::stream::RawMessageErrorKind;
 use async_nats::jetstream::{self, stream};
 
 use super::{
-    JetStreamError, KIND, MESSAGE_ID_HEADER, STREAM_SEQUENCE_HEADER, SUBJECT_HEADER, connect,
-    copied_headers, find_stream, header_pairs, request_error,
+    JetStreamError, KIND, connect, copied_headers, find_stream, header_pairs, request_error,
 };
 use crate::config::{JetStreamSource, PipelineConfig, subject_matches};
 use crate::message::InboundMessage;
-use crate::source::dead_letters::{Action, DeadLetter, REPLAYS_HEADER, SCAN_MESSAGES, Selection};
+use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection};
+use crate::source::headers;
 
 /// Goes once through the dead letters on `source`'s dead-letter subject that were stored when
 /// the pass began, oldest first, calls `seen` with each selected one and replays it if
@@ -101,13 +101,13 @@ fn message(
         pipeline: pipeline.name.clone(),
         source: KIND.to_string(),
         queue: source.stream.clone(),
-        subject: header(SUBJECT_HEADER).unwrap_or_else(|| stored.subject.to_string()),
+        subject: header(headers::SUBJECT).unwrap_or_else(|| stored.subject.to_string()),
         body: stored.payload.to_vec(),
         headers: header_pairs(&stored.headers),
-        message_id: header(MESSAGE_ID_HEADER),
+        message_id: header(headers::MESSAGE_ID),
         redelivered: false,
         delivery_count: None,
-        attributes: header(STREAM_SEQUENCE_HEADER)
+        attributes: header(headers::STREAM_SEQUENCE)
             .map(|sequence| vec![("stream-sequence".to_string(), sequence)])
             .unwrap_or_default(),
     }
@@ -129,11 +129,12 @@ async fn replay(
     };
     let Some(subject) = stored
         .headers
-        .get(SUBJECT_HEADER)
+        .get(headers::SUBJECT)
         .map(|value| value.as_str())
     else {
         return Err(refused(format!(
-            "it has no {SUBJECT_HEADER} header (idem did not dead-letter it), so the subject it came from is unknown"
+            "it has no {} header (idem did not dead-letter it), so the subject it came from is unknown",
+            headers::SUBJECT
         )));
     };
     // Without a filter the consumer takes whatever the stream stores (checked below).
@@ -148,10 +149,10 @@ async fn replay(
         )));
     }
     let mut headers = copied_headers(Some(&stored.headers), false);
-    if let Some(id) = stored.headers.get(MESSAGE_ID_HEADER) {
-        headers.insert(MESSAGE_ID_HEADER, id.as_str());
+    if let Some(id) = stored.headers.get(headers::MESSAGE_ID) {
+        headers.insert(headers::MESSAGE_ID, id.as_str());
     }
-    headers.insert(REPLAYS_HEADER, replays.to_string().as_str());
+    headers.insert(headers::REPLAYS, replays.to_string().as_str());
     // Published again after a lost confirmation, it is stored once.
     headers.insert(
         async_nats::header::NATS_MESSAGE_ID,

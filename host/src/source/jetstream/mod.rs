@@ -26,22 +26,11 @@ use crate::config::{
     ClaimMode, ConsumerStart, JetStreamSource, PipelineConfig, SourceConfig, subject_matches,
 };
 use crate::message::InboundMessage;
-use crate::source::{
-    self, Delivery, ERROR_KIND_HEADER, REASON_HEADER, REJECTED_AT_HEADER, Source, SourceError,
-    unix_seconds,
-};
+use crate::source::{self, Delivery, Source, SourceError, headers, unix_seconds};
 use crate::tls;
 
 /// The source kind a plugin sees in `message.source`.
 pub const KIND: &str = SourceConfig::JETSTREAM;
-
-/// The header keeping the subject a dead letter was consumed from.
-const SUBJECT_HEADER: &str = "x-idem-subject";
-/// The header keeping the producer's message id (`Nats-Msg-Id`) of a dead letter or a replayed
-/// message, whose own `Nats-Msg-Id` is the host's.
-const MESSAGE_ID_HEADER: &str = "x-idem-message-id";
-/// The header keeping the stream sequence a dead letter had on the pipeline's stream.
-const STREAM_SEQUENCE_HEADER: &str = "x-idem-stream-sequence";
 
 /// How long the server may take to answer a request (an ack, a publish, consumer info).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -883,7 +872,7 @@ impl Session {
 /// `Nats-Msg-Id` is the host's), else its `Nats-Msg-Id`.
 fn producer_message_id(headers: &HeaderMap) -> Option<String> {
     headers
-        .get(MESSAGE_ID_HEADER)
+        .get(headers::MESSAGE_ID)
         .or_else(|| headers.get(async_nats::header::NATS_MESSAGE_ID))
         .map(|value| value.as_str().to_string())
 }
@@ -898,7 +887,7 @@ fn copied_headers(headers: Option<&HeaderMap>, diagnostics: bool) -> HeaderMap {
         let directive = name
             .get(..5)
             .is_some_and(|prefix| prefix.eq_ignore_ascii_case("nats-"));
-        if directive || (!diagnostics && source::dead_letters::is_diagnostic(&name)) {
+        if directive || (!diagnostics && source::headers::is_diagnostic(&name)) {
             continue;
         }
         for value in values {
@@ -975,21 +964,21 @@ impl Delivery for Received {
     async fn dead_letter(&self, error_kind: &'static str, reason: &str) -> bool {
         let route = &self.route;
         let mut headers = copied_headers(self.original.headers.as_ref(), true);
-        headers.insert(REASON_HEADER, source::reason_text(reason).as_str());
-        headers.insert(ERROR_KIND_HEADER, error_kind);
-        headers.insert("x-idem-pipeline", route.pipeline.as_str());
-        headers.insert("x-idem-queue", route.source.stream.as_str());
-        headers.insert(SUBJECT_HEADER, self.message.subject.as_str());
+        headers.insert(headers::REASON, source::reason_text(reason).as_str());
+        headers.insert(headers::ERROR_KIND, error_kind);
+        headers.insert(headers::PIPELINE, route.pipeline.as_str());
+        headers.insert(headers::QUEUE, route.source.stream.as_str());
+        headers.insert(headers::SUBJECT, self.message.subject.as_str());
         headers.insert(
-            STREAM_SEQUENCE_HEADER,
+            headers::STREAM_SEQUENCE,
             self.stream_sequence.to_string().as_str(),
         );
-        headers.insert(REJECTED_AT_HEADER, unix_seconds().to_string().as_str());
+        headers.insert(headers::REJECTED_AT, unix_seconds().to_string().as_str());
         // The server drops a second copy with the same id, so a dead letter published again
         // after a lost confirmation is stored once; the producer's id stays beside it. The
         // id names the consumer: two pipelines rejecting the same message each keep theirs.
         if let Some(id) = &self.message.message_id {
-            headers.insert(MESSAGE_ID_HEADER, id.as_str());
+            headers.insert(headers::MESSAGE_ID, id.as_str());
         }
         headers.insert(
             async_nats::header::NATS_MESSAGE_ID,

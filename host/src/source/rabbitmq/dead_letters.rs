@@ -20,13 +20,8 @@ use tracing::warn;
 use super::{AmqpError, Copy, Receipt, connect_channel, inbound_message, topology};
 use crate::config::{AmqpConfig, PipelineConfig, QueueType};
 use crate::message::InboundMessage;
-use crate::source::dead_letters::{
-    self, Action, DeadLetter, REPLAYS_HEADER, SCAN_MESSAGES, Selection,
-};
-
-/// The header naming a dead letter on a queue for good (random, set when it is dead-lettered):
-/// a queue has no sequence numbers, and positions shift as messages leave.
-pub const ID_HEADER: &str = "x-idem-dead-letter-id";
+use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection};
+use crate::source::headers;
 
 /// The bodies one pass over a classic queue holds (unacked, to give back in order) at most.
 pub const SCAN_BYTES: usize = 64 << 20;
@@ -110,7 +105,7 @@ pub async fn pass(
         let id = message
             .headers
             .iter()
-            .find(|(name, _)| name == ID_HEADER)
+            .find(|(name, _)| name == headers::DEAD_LETTER_ID)
             .map_or_else(|| digest(&message), |(_, id)| id.clone());
         let letter = DeadLetter::recorded(position, id, message);
         let receipt = Receipt::of(delivery, &acks, 1);
@@ -169,14 +164,14 @@ fn replay_headers(receipt: &Receipt, replays: u64) -> FieldTable {
             table
                 .inner()
                 .iter()
-                .filter(|(name, _)| !dead_letters::is_diagnostic(name.as_str()))
+                .filter(|(name, _)| !headers::is_diagnostic(name.as_str()))
                 .map(|(name, value)| (name.clone(), value.clone()))
                 .collect::<std::collections::BTreeMap<_, _>>()
                 .into()
         })
         .unwrap_or_default();
     headers.insert(
-        ShortString::from(REPLAYS_HEADER),
+        ShortString::from(headers::REPLAYS),
         AMQPValue::LongLongInt(i64::try_from(replays).unwrap_or(i64::MAX)),
     );
     headers

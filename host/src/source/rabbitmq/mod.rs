@@ -27,7 +27,7 @@ use topology::Role;
 
 use crate::config::{AmqpConfig, PipelineConfig, QueueType, RabbitMqSource, SourceConfig};
 use crate::message::InboundMessage;
-use crate::source::{self, Delivery, Source, SourceError, unix_seconds};
+use crate::source::{self, Delivery, Source, SourceError, headers, unix_seconds};
 
 /// `pipeline`'s queue and dead-letter queue; an error for a pipeline with another source.
 pub fn queues(pipeline: &PipelineConfig) -> Result<&RabbitMqSource, AmqpError> {
@@ -43,9 +43,6 @@ pub fn queues(pipeline: &PipelineConfig) -> Result<&RabbitMqSource, AmqpError> {
 /// The source kind a plugin sees in `message.source`.
 pub const KIND: &str = SourceConfig::RABBITMQ;
 
-/// The header carrying how many times a message has been tried.
-pub const ATTEMPT_HEADER: &str = "x-idem-attempt";
-pub use crate::source::{ERROR_KIND_HEADER, REASON_HEADER, REJECTED_AT_HEADER};
 /// AMQP persistent delivery mode.
 const PERSISTENT: u8 = 2;
 
@@ -425,7 +422,7 @@ pub fn receive(
     delivery: lapin::message::Delivery,
     acks: &Acks,
 ) -> (InboundMessage, Receipt) {
-    let attempt = header_integer(&delivery.properties, ATTEMPT_HEADER)
+    let attempt = header_integer(&delivery.properties, headers::ATTEMPT)
         .and_then(|attempt| u32::try_from(attempt).ok())
         .unwrap_or(1)
         .max(1);
@@ -533,27 +530,27 @@ impl Receipt {
     ) -> Result<bool, AmqpError> {
         let mut headers = self.properties.headers().clone().unwrap_or_default();
         headers.insert(
-            ShortString::from(REASON_HEADER),
+            ShortString::from(headers::REASON),
             AMQPValue::LongString(LongString::from(source::reason_text(reason))),
         );
         headers.insert(
-            ShortString::from(ERROR_KIND_HEADER),
+            ShortString::from(headers::ERROR_KIND),
             AMQPValue::LongString(LongString::from(error_kind)),
         );
         headers.insert(
-            ShortString::from("x-idem-pipeline"),
+            ShortString::from(headers::PIPELINE),
             AMQPValue::LongString(LongString::from(pipeline)),
         );
         headers.insert(
-            ShortString::from("x-idem-queue"),
+            ShortString::from(headers::QUEUE),
             AMQPValue::LongString(LongString::from(queues.queue.as_str())),
         );
         headers.insert(
-            ShortString::from(REJECTED_AT_HEADER),
+            ShortString::from(headers::REJECTED_AT),
             AMQPValue::Timestamp(unix_seconds()),
         );
         headers.insert(
-            ShortString::from(dead_letters::ID_HEADER),
+            ShortString::from(headers::DEAD_LETTER_ID),
             AMQPValue::LongString(LongString::from(hex::encode(rand::random::<[u8; 12]>()))),
         );
         self.publish_copy(
@@ -576,7 +573,7 @@ impl Receipt {
     ) -> Result<bool, AmqpError> {
         let mut headers = self.properties.headers().clone().unwrap_or_default();
         headers.insert(
-            ShortString::from(ATTEMPT_HEADER),
+            ShortString::from(headers::ATTEMPT),
             AMQPValue::LongLongInt(i64::from(attempt)),
         );
         self.put_back(channel, queue, headers).await
@@ -682,14 +679,14 @@ fn copy_properties(
             properties = properties.with_expiration(expiration.clone());
         } else {
             headers.insert(
-                ShortString::from("x-idem-expiration"),
+                ShortString::from(headers::EXPIRATION),
                 AMQPValue::LongString(LongString::from(expiration.as_str())),
             );
         }
     }
     if let Some(user_id) = original.user_id() {
         headers.insert(
-            ShortString::from("x-idem-user-id"),
+            ShortString::from(headers::USER_ID),
             AMQPValue::LongString(LongString::from(user_id.as_str())),
         );
     }

@@ -1,0 +1,32 @@
+//! `idem replay`: every dead letter back to its pipeline, one pass (= `idem dlq replay`).
+
+use std::process::ExitCode;
+
+use idem_host::source::dead_letters::Selection;
+
+use crate::ConfigArg;
+use crate::dlq::{self, DlqCommand};
+
+/// Move dead-lettered messages back to their pipeline's queue or stream, oldest first (safe: claims
+/// dedup them). `idem dlq replay` does the same by selection.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    config: ConfigArg,
+    #[arg(long, short)]
+    pipeline: String,
+    /// Move at most this many messages.
+    #[arg(long)]
+    limit: Option<u64>,
+}
+
+impl Args {
+    pub async fn run(self) -> anyhow::Result<ExitCode> {
+        let selection = Selection {
+            limit: self.limit,
+            ..Default::default()
+        };
+        let replay = DlqCommand::Replay { dry_run: false };
+        dlq::dlq(&self.config.config, &self.pipeline, selection, replay).await
+    }
+}

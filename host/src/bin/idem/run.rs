@@ -1,0 +1,70 @@
+//! `idem run`: consume every pipeline's source until SIGTERM or Ctrl-C, then drain and exit.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use idem_host::config::Config;
+
+use crate::ConfigArg;
+
+/// Consume every pipeline's queue until SIGTERM or Ctrl-C.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// After SIGTERM/SIGINT, how long in-flight messages may take to commit and ack before
+    /// the process gives up (exit 1; the unacked messages are redelivered, nothing is lost).
+    #[arg(long, default_value = "30s", env = "IDEM_SHUTDOWN_TIMEOUT", value_parser = idem_host::config::parse_duration)]
+    shutdown_timeout: Duration,
+}
+
+impl Args {
+    pub async fn run(self) -> anyhow::Result<ExitCode> {
+        let config = Config::load(&self.config.config)?;
+        let shutdown_timeout = self.shutdown_timeout;
+        let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel();
+        let shutdown = async move {
+            shutdown_signal().await;
+            let _ = signalled_tx.send(());
+        };
+        let deadline = async move {
+            if signalled_rx.await.is_err() {
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(shutdown_timeout).await;
+        };
+        tokio::select! {
+            ran = idem_host::run(config, shutdown) => {
+                ran?;
+                Ok(ExitCode::SUCCESS)
+            }
+            () = deadline => {
+                tracing::error!(timeout = ?shutdown_timeout, "Shutdown timed out; exiting with messages in flight. They were not acked and will be redelivered.");
+                Ok(ExitCode::FAILURE)
+            }
+        }
+    }
+}
+
+/// Completes on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = terminate.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,113 @@
+//! `idem status`: how each pipeline is doing: its plugin build, what its source holds, its
+//! dead letters and claims.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use idem_host::config::Config;
+use idem_host::source::{jetstream, rabbitmq};
+use idem_host::store::database;
+use sha2::Digest;
+
+use crate::ConfigArg;
+
+/// Pipelines, plugin builds, queue and dead-letter depths, claims.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    config: ConfigArg,
+}
+
+impl Args {
+    pub async fn run(self) -> anyhow::Result<ExitCode> {
+        status(&self.config.config).await
+    }
+}
+
+async fn status(path: &Path) -> anyhow::Result<ExitCode> {
+    let config = Config::load(path)?;
+    let pool = database::connect_once(&config.database).await.ok();
+    for pipeline_config in &config.pipelines {
+        println!(
+            "pipeline {:?} (consumer {:?})",
+            pipeline_config.name, pipeline_config.consumer
+        );
+        let plugin = match std::fs::read(&pipeline_config.plugin) {
+            Ok(bytes) => format!("sha256:{:x}", sha2::Sha256::digest(&bytes)),
+            Err(error) => format!("unreadable: {error}"),
+        };
+        println!(
+            "  plugin file   {} ({plugin})",
+            pipeline_config.plugin.display()
+        );
+        if let Some(source) = jetstream::settings(pipeline_config) {
+            let state = match jetstream::inspect(source).await {
+                Ok(jetstream::Found::StreamMissing) => "not created yet".to_string(),
+                Ok(jetstream::Found::ConsumerMissing { messages }) => {
+                    format!("{messages} messages; consumer not created yet")
+                }
+                Ok(jetstream::Found::Ready {
+                    messages,
+                    pending,
+                    unacknowledged,
+                    dead_letters,
+                }) => format!(
+                    "{messages} messages, {pending} not delivered, {unacknowledged} unacknowledged; dead letters: {}",
+                    dead_letters.map_or("none yet".to_string(), |count| count.to_string())
+                ),
+                Err(error) => format!("unknown ({error})"),
+            };
+            println!("  stream        {:?}: {state}", source.stream);
+        } else {
+            for (label, queue) in [
+                ("queue", pipeline_config.queue()),
+                ("dead letters", pipeline_config.dead_letter()),
+            ] {
+                let depth = match &config.amqp {
+                    Some(amqp) => rabbitmq::queue_depth(amqp, queue).await,
+                    None => Err(rabbitmq::AmqpError::NotConfigured {
+                        pipeline: pipeline_config.name.clone(),
+                    }),
+                };
+                let depth = match depth {
+                    Ok(Some(depth)) => {
+                        format!("{} ready, {} consumers", depth.ready, depth.consumers)
+                    }
+                    Ok(None) => "not declared yet".to_string(),
+                    Err(error) => format!("unknown ({error})"),
+                };
+                println!("  {label:<13} {queue:?}: {depth}");
+            }
+        }
+        if let Some(pool) = &pool {
+            let claims: Result<(i64, Option<f64>), _> = sqlx::query_as(
+                "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
+                 FROM processed_messages WHERE consumer = $1",
+            )
+            .bind(&pipeline_config.consumer)
+            .fetch_one(pool)
+            .await;
+            match claims {
+                Ok((count, oldest)) => println!(
+                    "  claims        {count} (oldest {}, window {:?})",
+                    oldest.map_or("-".to_string(), |seconds| format!("{:.0} s ago", seconds)),
+                    pipeline_config.retention.window
+                ),
+                Err(error) => println!("  claims        unknown ({error})"),
+            }
+        }
+    }
+    if let (Some(pool), Some(_)) = (&pool, &config.outbox) {
+        match idem_host::store::outbox::backlog(pool).await {
+            Ok(backlog) => println!(
+                "outbox: {} pending, {} parked, {} delivered (kept for retention)",
+                backlog.pending, backlog.parked, backlog.delivered
+            ),
+            Err(error) => println!("outbox: unknown ({error})"),
+        }
+    }
+    if pool.is_none() {
+        println!("(database unreachable: claims not shown)");
+    }
+    Ok(ExitCode::SUCCESS)
+}
