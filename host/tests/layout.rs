@@ -85,3 +85,153 @@ fn lower_layers_do_not_import_upper_ones_and_nothing_is_circular() {
     }
     assert!(violations.is_empty(), "{}", violations.join("\n"));
 }
+
+/// The module path of a file under `src/`: `["source", "rabbitmq", "dead_letters"]` for
+/// `src/source/rabbitmq/dead_letters.rs`, `["source"]` for `src/source/mod.rs`.
+fn module_path(source: &Path, file: &Path) -> Vec<String> {
+    let relative = file.strip_prefix(source).expect("under src");
+    let mut path: Vec<String> = relative
+        .components()
+        .map(|component| {
+            component
+                .as_os_str()
+                .to_string_lossy()
+                .trim_end_matches(".rs")
+                .to_string()
+        })
+        .collect();
+    if path
+        .last()
+        .is_some_and(|last| last == "mod" || last == "lib")
+    {
+        path.pop();
+    }
+    path
+}
+
+/// Every module path `text`'s code names, made absolute from `module` (the file's own path):
+/// `crate::a::b`, `super::a`, `super::super::a`, `self::a`, and each name of a group
+/// `super::{a, b::c}`.
+fn paths_named(text: &str, module: &[String]) -> Vec<Vec<String>> {
+    let code: String = text
+        .lines()
+        .filter(|line| !line.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let identifier = |rest: &str| -> String {
+        rest.chars()
+            .take_while(|character| character.is_ascii_alphanumeric() || *character == '_')
+            .collect()
+    };
+    let mut named = Vec::new();
+    for (at, _) in code
+        .match_indices("crate::")
+        .chain(code.match_indices("super::"))
+        .chain(code.match_indices("self::"))
+    {
+        // Only where a path starts, not in the middle of one (`super::super::`).
+        let before = code[..at].chars().next_back();
+        if before.is_some_and(|character| {
+            character == ':' || character.is_ascii_alphanumeric() || character == '_'
+        }) {
+            continue;
+        }
+        let mut base: Vec<String> = Vec::new();
+        let mut rest = &code[at..];
+        if let Some(after) = rest.strip_prefix("crate::") {
+            rest = after;
+        } else {
+            base = module.to_vec();
+            loop {
+                if let Some(after) = rest.strip_prefix("super::") {
+                    base.pop();
+                    rest = after;
+                } else if let Some(after) = rest.strip_prefix("self::") {
+                    rest = after;
+                } else {
+                    break;
+                }
+            }
+        }
+        let mut path = base;
+        loop {
+            if let Some(group) = rest.strip_prefix('{') {
+                let end = group.find('}').unwrap_or(group.len());
+                for item in group[..end].split(',') {
+                    let name = identifier(item.trim());
+                    if !name.is_empty() && name != "self" {
+                        let mut item_path = path.clone();
+                        item_path.push(name);
+                        named.push(item_path);
+                    }
+                }
+                break;
+            }
+            let name = identifier(rest);
+            if name.is_empty() {
+                break;
+            }
+            rest = &rest[name.len()..];
+            path.push(name);
+            match rest.strip_prefix("::") {
+                Some(after) => rest = after,
+                None => break,
+            }
+        }
+        if !path.is_empty() {
+            named.push(path);
+        }
+    }
+    named
+}
+
+/// Inside every folder, no two of its modules import each other, however deep the files that
+/// do it: `source::dead_letters` and `source::rabbitmq` (through `rabbitmq/dead_letters.rs`)
+/// would be such a circle. A module may use its parent's items; siblings must not go both ways.
+#[test]
+fn no_two_modules_of_one_folder_import_each_other() {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&source, &mut files);
+    let modules: BTreeSet<Vec<String>> = files
+        .iter()
+        .map(|file| module_path(&source, file))
+        .collect();
+    // (folder, from, to): a file under folder/from names folder/to.
+    let mut edges: BTreeMap<(Vec<String>, String, String), String> = BTreeMap::new();
+    for file in &files {
+        let module = module_path(&source, file);
+        let text = std::fs::read_to_string(file).expect("read");
+        for named in paths_named(&text, &module) {
+            let common = module
+                .iter()
+                .zip(&named)
+                .take_while(|(left, right)| left == right)
+                .count();
+            if common == 0 || common >= module.len() || common >= named.len() {
+                continue;
+            }
+            let folder = module[..common].to_vec();
+            let mut target = folder.clone();
+            target.push(named[common].clone());
+            if !modules.contains(&target) {
+                continue;
+            }
+            edges
+                .entry((folder, module[common].clone(), named[common].clone()))
+                .or_insert_with(|| file.display().to_string());
+        }
+    }
+    let mut violations = Vec::new();
+    for ((folder, from, to), file) in &edges {
+        if from < to
+            && let Some(back) = edges.get(&(folder.clone(), to.clone(), from.clone()))
+        {
+            violations.push(format!(
+                "crate::{folder}::{from} and crate::{folder}::{to} import each other ({file}; {back})",
+                folder = folder.join("::")
+            ));
+        }
+    }
+    assert!(violations.is_empty(), "{}", violations.join("\n"));
+}

@@ -13,7 +13,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::{Answer, AppState, failed};
-use crate::source::dead_letters::{self, Action, Selection};
+use crate::source::{self, dead_letters, dead_letters::Action, dead_letters::Selection};
 use crate::store::outbox;
 
 /// Most dead letters one list returns; the page says when there are more.
@@ -61,7 +61,7 @@ pub(super) async fn list(
     // One more than shown, to know whether there are more.
     let selection = filter.selection(Some(limit + 1));
     let mut letters = Vec::new();
-    dead_letters::pass(
+    source::pass_dead_letters(
         state.amqp.as_ref(),
         pipeline,
         &selection,
@@ -110,7 +110,7 @@ pub(super) async fn show(
         ..Selection::default()
     };
     let mut found = None;
-    dead_letters::pass(
+    source::pass_dead_letters(
         state.amqp.as_ref(),
         pipeline,
         &selection,
@@ -147,7 +147,7 @@ pub(super) async fn replay(
         Action::Replay
     };
     let mut ids = Vec::new();
-    let passed = dead_letters::pass(
+    let passed = source::pass_dead_letters(
         state.amqp.as_ref(),
         pipeline,
         &filter.selection(None),

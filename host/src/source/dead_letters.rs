@@ -2,8 +2,10 @@
 //! replayed by selection (`idem dlq list/show/replay`, `idem replay`).
 //!
 //! Each source keeps its dead letters its own way (a RabbitMQ queue, a JetStream stream) and
-//! reads them in [`rabbitmq::dead_letters`] and [`jetstream::dead_letters`]; what a dead letter
-//! is, which ones a command selects and what a pass does with them is decided here, once.
+//! reads them in `rabbitmq::dead_letters` and `jetstream::dead_letters`, which
+//! `source::pass_dead_letters` chooses between; what a dead letter is, which ones a command
+//! selects and what a pass does with them is decided here, once. This file names no source
+//! kind.
 //!
 //! Architecture invariant: a pass never loses a dead letter. Looking leaves every message where
 //! it was, in its order; a replayed message is stored on the pipeline's queue or stream (the
@@ -15,9 +17,7 @@ use std::time::{Duration, SystemTime};
 
 use serde_json::json;
 
-use super::{SourceError, headers, one_line};
-use super::{jetstream, rabbitmq};
-use crate::config::{AmqpConfig, PipelineConfig, SourceConfig};
+use super::headers::{self, one_line};
 use crate::message::InboundMessage;
 
 /// The dead letters one pass reads at most, whatever it selects: a pass that matches nothing
@@ -117,7 +117,7 @@ impl DeadLetter {
 /// Longest body preview in a list of dead letters, in characters.
 pub const PREVIEW_CHARS: usize = 60;
 
-/// `text` on one line (`source::one_line`), cut to `max` characters with an ellipsis.
+/// `text` on one line (`headers::one_line`), cut to `max` characters with an ellipsis.
 pub fn cut_line(text: &str, max: usize) -> String {
     let flat = one_line(text);
     if flat.chars().count() <= max {
@@ -202,24 +202,4 @@ pub enum Action {
     /// came from the producer (without the host's `x-idem-*` diagnostics) and the replay
     /// counted in `x-idem-replays`: retries start over in the pipeline.
     Replay,
-}
-
-/// Goes once through the dead letters `pipeline` kept when the pass began, oldest first,
-/// calls `seen` with each selected one, and replays it if `action` says so. Returns how many
-/// were selected. `amqp` is the broker of RabbitMQ pipelines.
-pub async fn pass(
-    amqp: Option<&AmqpConfig>,
-    pipeline: &PipelineConfig,
-    selection: &Selection,
-    action: Action,
-    seen: impl FnMut(&DeadLetter),
-) -> Result<u64, SourceError> {
-    match &pipeline.source {
-        SourceConfig::RabbitMq(_) => {
-            Ok(rabbitmq::dead_letters::pass(amqp, pipeline, selection, action, seen).await?)
-        }
-        SourceConfig::JetStream(source) => {
-            Ok(jetstream::dead_letters::pass(source, pipeline, selection, action, seen).await?)
-        }
-    }
 }

@@ -1,5 +1,5 @@
 //! Every header the host writes on a message it sets aside or sends again (`x-idem-*`), on
-//! either source, and what counts as one.
+//! either source, what counts as one, and the text a reason header holds.
 
 /// The prefix of the headers the host writes.
 pub const PREFIX: &str = "x-idem-";
@@ -37,4 +37,53 @@ pub const STREAM_SEQUENCE: &str = "x-idem-stream-sequence";
 pub fn is_diagnostic(name: &str) -> bool {
     name.get(..PREFIX.len())
         .is_some_and(|prefix| prefix.eq_ignore_ascii_case(PREFIX))
+}
+
+/// Longest reason kept in a header, in bytes.
+const REASON_BYTES: usize = 4096;
+
+/// `text` on one line: every control character (line breaks, tabs) becomes a space.
+pub fn one_line(text: &str) -> String {
+    text.chars()
+        .map(|character| {
+            if character.is_control() {
+                ' '
+            } else {
+                character
+            }
+        })
+        .collect()
+}
+
+/// A reason as a dead letter's header carries it: one line (which NATS headers require), at
+/// most `REASON_BYTES` bytes, cut on a character boundary.
+pub fn reason_text(reason: &str) -> String {
+    let line = one_line(reason);
+    if line.len() <= REASON_BYTES {
+        return line;
+    }
+    let mut cut = REASON_BYTES;
+    while !line.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}…", &line[..cut])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reason_is_one_line_cut_on_a_character_boundary() {
+        assert_eq!(reason_text("short"), "short");
+        assert_eq!(reason_text("line one\nline two\r"), "line one line two ");
+        let long = reason_text(&"é".repeat(3_000));
+        assert!(long.ends_with('…'), "{long}");
+        assert!(long.len() <= REASON_BYTES + '…'.len_utf8());
+        assert!(
+            long.trim_end_matches('…')
+                .chars()
+                .all(|character| character == 'é')
+        );
+    }
 }

@@ -24,36 +24,6 @@ use crate::message::InboundMessage;
 use self::jetstream::JetStreamError;
 use self::rabbitmq::AmqpError;
 
-/// Longest reason kept in a header, in bytes.
-const REASON_BYTES: usize = 4096;
-
-/// `text` on one line: every control character (line breaks, tabs) becomes a space.
-pub fn one_line(text: &str) -> String {
-    text.chars()
-        .map(|character| {
-            if character.is_control() {
-                ' '
-            } else {
-                character
-            }
-        })
-        .collect()
-}
-
-/// A reason as a dead letter's header carries it: one line (which NATS headers require), at
-/// most `REASON_BYTES` bytes, cut on a character boundary.
-pub fn reason_text(reason: &str) -> String {
-    let line = one_line(reason);
-    if line.len() <= REASON_BYTES {
-        return line;
-    }
-    let mut cut = REASON_BYTES;
-    while !line.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}…", &line[..cut])
-}
-
 /// Now, in seconds since 1970 (a dead letter's `x-idem-rejected-at`).
 pub fn unix_seconds() -> u64 {
     std::time::SystemTime::now()
@@ -86,6 +56,26 @@ pub async fn depths(
             Ok(rabbitmq::depths(amqp, source).await?)
         }
         crate::config::SourceConfig::JetStream(source) => Ok(jetstream::depths(source).await?),
+    }
+}
+
+/// Goes once through the dead letters `pipeline` kept when the pass began, oldest first,
+/// calls `seen` with each selected one, and replays it if `action` says so. Returns how many
+/// were selected. `amqp` is the broker of RabbitMQ pipelines.
+pub async fn pass_dead_letters(
+    amqp: Option<&crate::config::AmqpConfig>,
+    pipeline: &PipelineConfig,
+    selection: &dead_letters::Selection,
+    action: dead_letters::Action,
+    seen: impl FnMut(&dead_letters::DeadLetter),
+) -> Result<u64, SourceError> {
+    match &pipeline.source {
+        crate::config::SourceConfig::RabbitMq(_) => {
+            Ok(rabbitmq::dead_letters::pass(amqp, pipeline, selection, action, seen).await?)
+        }
+        crate::config::SourceConfig::JetStream(source) => {
+            Ok(jetstream::dead_letters::pass(source, pipeline, selection, action, seen).await?)
+        }
     }
 }
 
@@ -168,23 +158,4 @@ pub trait Delivery: Send + Sync + 'static {
     /// Not at fault, not done (the host is stopping, a conflict outlasted its budget): back
     /// to the queue as it came.
     fn requeue(&self) -> impl Future<Output = bool> + Send;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_reason_is_one_line_cut_on_a_character_boundary() {
-        assert_eq!(reason_text("short"), "short");
-        assert_eq!(reason_text("line one\nline two\r"), "line one line two ");
-        let long = reason_text(&"é".repeat(3_000));
-        assert!(long.ends_with('…'), "{long}");
-        assert!(long.len() <= REASON_BYTES + '…'.len_utf8());
-        assert!(
-            long.trim_end_matches('…')
-                .chars()
-                .all(|character| character == 'é')
-        );
-    }
 }

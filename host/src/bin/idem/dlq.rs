@@ -6,7 +6,8 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use idem_host::config::{Config, PipelineConfig};
-use idem_host::source::dead_letters::{self, Action, PREVIEW_CHARS, Selection, cut_line};
+use idem_host::source;
+use idem_host::source::dead_letters::{Action, PREVIEW_CHARS, Selection, cut_line};
 
 use crate::ConfigArg;
 use crate::table::{format_age, print_table};
@@ -153,7 +154,7 @@ async fn list(
 ) -> anyhow::Result<ExitCode> {
     let mut rows = Vec::new();
     let mut letters = Vec::new();
-    dead_letters::pass(
+    source::pass_dead_letters(
         config.amqp.as_ref(),
         pipeline,
         selection,
@@ -201,7 +202,7 @@ async fn show(
         limit: Some(position),
         ..Selection::default()
     };
-    dead_letters::pass(
+    source::pass_dead_letters(
         config.amqp.as_ref(),
         pipeline,
         &everything,
@@ -261,7 +262,7 @@ async fn replay(
         Action::Replay
     };
     let verb = if dry_run { "would replay" } else { "replayed" };
-    let moved = dead_letters::pass(
+    let moved = source::pass_dead_letters(
         config.amqp.as_ref(),
         pipeline,
         selection,

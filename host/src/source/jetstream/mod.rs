@@ -964,7 +964,7 @@ impl Delivery for Received {
     async fn dead_letter(&self, error_kind: &'static str, reason: &str) -> bool {
         let route = &self.route;
         let mut headers = copied_headers(self.original.headers.as_ref(), true);
-        headers.insert(headers::REASON, source::reason_text(reason).as_str());
+        headers.insert(headers::REASON, headers::reason_text(reason).as_str());
         headers.insert(headers::ERROR_KIND, error_kind);
         headers.insert(headers::PIPELINE, route.pipeline.as_str());
         headers.insert(headers::QUEUE, route.source.stream.as_str());

@@ -531,7 +531,7 @@ impl Receipt {
         let mut headers = self.properties.headers().clone().unwrap_or_default();
         headers.insert(
             ShortString::from(headers::REASON),
-            AMQPValue::LongString(LongString::from(source::reason_text(reason))),
+            AMQPValue::LongString(LongString::from(headers::reason_text(reason))),
         );
         headers.insert(
             ShortString::from(headers::ERROR_KIND),
