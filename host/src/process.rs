@@ -251,20 +251,7 @@ async fn decide(pipeline: &Pipeline, message: &InboundMessage, attempt: u32) -> 
         Ok(outcome) => outcome,
         Err(PluginError::Rejected(failure)) if failure.kind == FailureKind::Retryable => {
             let max_attempts = pipeline.config.max_attempts.get();
-            return Decided::Done(if attempt >= max_attempts {
-                Disposition::DeadLetter {
-                    error_kind: "retries-exhausted",
-                    reason: format!(
-                        "gave up after {attempt} attempts (max_attempts = {max_attempts}): {}",
-                        failure.reason
-                    ),
-                }
-            } else {
-                Disposition::Retry {
-                    attempt: attempt + 1,
-                    reason: failure.reason,
-                }
-            });
+            return Decided::Done(retry_or_give_up(attempt, max_attempts, failure.reason));
         }
         Err(error) => {
             return Decided::Done(Disposition::DeadLetter {
@@ -462,6 +449,24 @@ fn disposition_of(result: Result<ClaimOutcome, LedgerError>) -> Disposition {
     }
 }
 
+/// A retryable failure on try `attempt`: tried again, or dead-lettered once `max_attempts`
+/// tries are spent.
+fn retry_or_give_up(attempt: u32, max_attempts: u32, reason: String) -> Disposition {
+    if attempt >= max_attempts {
+        Disposition::DeadLetter {
+            error_kind: "retries-exhausted",
+            reason: format!(
+                "gave up after {attempt} attempts (max_attempts = {max_attempts}): {reason}"
+            ),
+        }
+    } else {
+        Disposition::Retry {
+            attempt: attempt + 1,
+            reason,
+        }
+    }
+}
+
 /// After a commit: the crash point for tests, and a nudge to the outbox relay.
 fn after_commit(pipeline: &Pipeline, disposition: &Disposition, plan: &Plan<'_>) {
     if *disposition == Disposition::Ack(Settled::Applied) {
@@ -485,5 +490,153 @@ fn plugin_error_kind(error: &PluginError) -> &'static str {
         PluginError::Read { .. } | PluginError::Invalid { .. } => "plugin-load",
         // Never reaches a message: `invoke` waits for a free slot.
         PluginError::PoolBusy { .. } => "plugin-pool",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::effect::Failure;
+    use crate::store::session::SessionError;
+    use crate::store::statement::BindError;
+
+    /// A value out of its parameter's range: the message's own fault (22003).
+    fn out_of_range() -> SessionError {
+        SessionError::Bind(BindError::Value {
+            statement: "record_ledger".into(),
+            index: 3,
+            now: "int4",
+            problem: "4294967296 is out of range for integer (int4)".into(),
+        })
+    }
+
+    #[track_caller]
+    fn check(result: Result<ClaimOutcome, LedgerError>, expected: &Disposition) {
+        assert_eq!(&disposition_of(result), expected);
+    }
+
+    /// What a finished transaction means for the message: only the message's own fault
+    /// dead-letters it; every other error the retries did not resolve puts it back.
+    #[test]
+    fn transactions_end_in_their_dispositions() {
+        check(
+            Ok(ClaimOutcome::Applied),
+            &Disposition::Ack(Settled::Applied),
+        );
+        check(
+            Ok(ClaimOutcome::Duplicate),
+            &Disposition::Ack(Settled::Duplicate),
+        );
+        check(Ok(ClaimOutcome::Stale), &Disposition::Ack(Settled::Stale));
+        let Disposition::DeadLetter { error_kind, reason } =
+            disposition_of(Err(LedgerError::Effect {
+                statement: "record_ledger".into(),
+                source: out_of_range(),
+            }))
+        else {
+            panic!("an effect's failure dead-letters the message");
+        };
+        assert_eq!(error_kind, "sql");
+        assert!(
+            reason.contains("\"record_ledger\"") && reason.contains("out of range"),
+            "{reason}"
+        );
+        for kept in [
+            LedgerError::Transient {
+                source: SessionError::Timeout {
+                    timeout: Duration::from_secs(5),
+                    max: 4,
+                },
+            },
+            LedgerError::Deadline {
+                timeout: Duration::from_secs(30),
+            },
+            LedgerError::Config {
+                statement: "record_ledger".into(),
+                source: out_of_range(),
+            },
+        ] {
+            assert!(kept.is_retried(), "{kept:?}");
+            check(Err(kept), &Disposition::Requeue);
+        }
+    }
+
+    /// A retryable failure is tried again until `max_attempts` tries are spent.
+    #[test]
+    fn retryable_failures_are_retried_then_dead_lettered() {
+        assert_eq!(
+            retry_or_give_up(1, 3, "busy".into()),
+            Disposition::Retry {
+                attempt: 2,
+                reason: "busy".into()
+            }
+        );
+        assert_eq!(
+            retry_or_give_up(2, 3, "busy".into()),
+            Disposition::Retry {
+                attempt: 3,
+                reason: "busy".into()
+            }
+        );
+        for attempt in [3, 4] {
+            let Disposition::DeadLetter { error_kind, reason } =
+                retry_or_give_up(attempt, 3, "busy".into())
+            else {
+                panic!("try {attempt} of 3 gives up");
+            };
+            assert_eq!(error_kind, "retries-exhausted");
+            assert_eq!(
+                reason,
+                format!("gave up after {attempt} attempts (max_attempts = 3): busy")
+            );
+        }
+        assert_eq!(retry_or_give_up(1, 1, "busy".into()).outcome(), "rejected");
+    }
+
+    /// Each way a plugin call fails names its kind in the dead letter.
+    #[test]
+    fn plugin_failures_have_their_kinds() {
+        let cases = [
+            (
+                PluginError::Rejected(Failure {
+                    kind: FailureKind::InvalidInput,
+                    reason: "not JSON".into(),
+                }),
+                "invalid-input",
+            ),
+            (
+                PluginError::DeadlineExceeded {
+                    deadline: Duration::from_millis(200),
+                },
+                "plugin-deadline",
+            ),
+            (
+                PluginError::MemoryExceeded { limit_mib: 32 },
+                "plugin-memory",
+            ),
+            (
+                PluginError::Trap {
+                    reason: "unreachable".into(),
+                },
+                "plugin-trap",
+            ),
+            (
+                PluginError::OutputTooLarge {
+                    reason: "2 MiB".into(),
+                },
+                "invalid-output",
+            ),
+            (
+                PluginError::InvalidOutput {
+                    reason: "a key of 0 bytes".into(),
+                },
+                "invalid-output",
+            ),
+        ];
+        for (error, kind) in cases {
+            assert_eq!(plugin_error_kind(&error), kind, "{error}");
+        }
     }
 }
