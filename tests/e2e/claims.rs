@@ -52,23 +52,6 @@ fn loyalty_message(body: Vec<u8>) -> InboundMessage {
     }
 }
 
-/// A pipeline from a whole `[pipelines.<name>]` text, started without a broker.
-async fn start_pipeline(env: &TestEnv, pipeline_text: &str) -> Result<Pipeline, String> {
-    let config = Config::from_toml(
-        Path::new("/tmp/idem-claims-test.toml"),
-        &format!("{}{pipeline_text}", env.config_header()),
-    )
-    .map_err(|error| error.to_string())?;
-    Pipeline::start(
-        config.pipelines[0].clone(),
-        PluginRuntime::new().expect("plugin runtime"),
-        &env.open_database().await,
-        Arc::new(Metrics::new()),
-    )
-    .await
-    .map_err(|error| error.to_string())
-}
-
 fn natural_pipeline(env: &TestEnv) -> String {
     format!(
         "[pipelines.loyalty]\nqueue = \"{}\"\nplugin = \"{}\"\nclaim = \"natural\"\nclaim_statement = \"record_ledger\"\n{NATURAL_STATEMENTS}",
@@ -107,7 +90,7 @@ fn count(results: &[Disposition], wanted: &Disposition) -> usize {
 async fn natural_key_credits_once_without_a_ledger_row() {
     let env = TestEnv::new("natural").await;
     let pipeline = Arc::new(
-        start_pipeline(&env, &natural_pipeline(&env))
+        env.pipeline_from(&natural_pipeline(&env))
             .await
             .expect("natural pipeline starts"),
     );
@@ -170,9 +153,7 @@ async fn natural_claim_statement_must_be_in_the_decision() {
     let env = TestEnv::new("natural_missing").await;
     // The loyalty plugin never calls `mark_seen`: every message must be refused, not applied
     // without a claim.
-    let pipeline = start_pipeline(
-        &env,
-        &format!(
+    let pipeline = env.pipeline_from(&format!(
             "[pipelines.loyalty]\nqueue = \"{}\"\nplugin = \"{}\"\nclaim = \"natural\"\nclaim_statement = \"mark_seen\"\n{}\nmark_seen = \"SELECT $1::text\"\n",
             env.queue,
             plugin_path("loyalty").display(),
@@ -205,7 +186,8 @@ async fn version_guard_keeps_the_newest_version() {
         env.queue,
         plugin_path("customer-profile").display()
     );
-    let pipeline = start_pipeline(&env, &pipeline_text)
+    let pipeline = env
+        .pipeline_from(&pipeline_text)
         .await
         .expect("profiles pipeline starts");
     let profile = |customer_id: i64, version: i64| -> InboundMessage {
@@ -296,9 +278,7 @@ async fn bad_statements_stop_start_up_by_name() {
             plugin_path("loyalty").display()
         )
     };
-    let syntax = start_pipeline(
-        &env,
-        &pipeline("credit_balance = \"INSERT INTO balances VALUES ($1, $2\"\nrecord_ledger = \"SELECT $1::int8, $2::int8, $3::int8\""),
+    let syntax = env.pipeline_from(&pipeline("credit_balance = \"INSERT INTO balances VALUES ($1, $2\"\nrecord_ledger = \"SELECT $1::int8, $2::int8, $3::int8\""),
     )
     .await
     .err()
@@ -310,9 +290,7 @@ async fn bad_statements_stop_start_up_by_name() {
     assert!(syntax.contains("syntax error"), "{syntax}");
 
     // $2 is never used, so its type cannot be known: the parameter count is wrong.
-    let count = start_pipeline(
-        &env,
-        &pipeline("credit_balance = \"SELECT $1::int8, $3::int8\"\nrecord_ledger = \"SELECT $1::int8, $2::int8, $3::int8\""),
+    let count = env.pipeline_from(&pipeline("credit_balance = \"SELECT $1::int8, $3::int8\"\nrecord_ledger = \"SELECT $1::int8, $2::int8, $3::int8\""),
     )
     .await
     .err()
@@ -363,7 +341,7 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
         )
     };
     let pipeline = Arc::new(
-        start_pipeline(&env, &pipeline_text(10))
+        env.pipeline_from(&pipeline_text(10))
             .await
             .expect("pipeline starts"),
     );
@@ -384,7 +362,7 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
 
     // With no retry budget the losers are requeued (redelivered later), never dead-lettered.
     let strict = Arc::new(
-        start_pipeline(&env, &pipeline_text(0))
+        env.pipeline_from(&pipeline_text(0))
             .await
             .expect("pipeline starts"),
     );
@@ -432,15 +410,13 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
             plugin_path("loyalty").display()
         )
     };
-    let allowed = start_pipeline(
-        &env,
-        &pipeline_text(
+    let allowed = env
+        .pipeline_from(&pipeline_text(
             "INSERT INTO balances (customer_id, points) VALUES ($1, $2) \
              ON CONFLICT (customer_id) DO UPDATE SET points = balances.points + EXCLUDED.points",
-        ),
-    )
-    .await
-    .expect("pipeline starts");
+        ))
+        .await
+        .expect("pipeline starts");
     let shutdown = CancellationToken::new();
     assert_eq!(
         handle_delivery(&allowed, &loyalty_message(order(1, 1, 500)), 1, &shutdown).await,
@@ -451,12 +427,9 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
     // rolled back. A configuration fault: the pipeline pauses, the message stays unacked
     // (requeued when the host stops), nothing is dead-lettered.
     let forbidden = Arc::new(
-        start_pipeline(
-            &env,
-            &pipeline_text(
-                "DELETE FROM secrets WHERE $1::int8 IS NOT NULL AND $2::int8 IS NOT NULL",
-            ),
-        )
+        env.pipeline_from(&pipeline_text(
+            "DELETE FROM secrets WHERE $1::int8 IS NOT NULL AND $2::int8 IS NOT NULL",
+        ))
         .await
         .expect("pipeline starts"),
     );
@@ -488,13 +461,13 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
     );
 
     // A role that does not exist stops start-up by name.
-    let missing = start_pipeline(
-        &env,
-        &pipeline_text("SELECT $1::int8, $2::int8").replace(&role, "no_such_role_idem"),
-    )
-    .await
-    .err()
-    .expect("an unknown role stops start-up");
+    let missing = env
+        .pipeline_from(
+            &pipeline_text("SELECT $1::int8, $2::int8").replace(&role, "no_such_role_idem"),
+        )
+        .await
+        .err()
+        .expect("an unknown role stops start-up");
     assert!(missing.contains("no_such_role_idem"), "{missing}");
     env.cleanup().await;
     let _ = sqlx::raw_sql(&format!("DROP ROLE IF EXISTS \"{role}\""))

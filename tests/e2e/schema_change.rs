@@ -4,19 +4,15 @@
 //! pause; a change no value can bind to pauses the pipeline naming the statement, the
 //! parameter and both types, and nothing is lost when it is undone.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
 use idem_e2e::{TestEnv, order, plugin_path, unacked, wait_for};
-use idem_host::config::Config;
 use idem_host::message::InboundMessage;
-use idem_host::metrics::Metrics;
 use idem_host::pipeline::Pipeline;
 use idem_host::process::{Disposition, Settled, handle_delivery};
-use idem_host::sandbox::PluginRuntime;
 
 const ORDERS: i64 = 3000;
 
@@ -117,20 +113,11 @@ async fn typed_pipeline(env: &TestEnv) -> Pipeline {
     .execute(&env.pool)
     .await
     .expect("typed table");
-    let text = format!(
-        "{}[pipelines.typed]\nqueue = \"{}\"\nplugin = \"{}\"\n{TYPED_PIPELINE}",
-        env.config_header(),
+    env.pipeline_from(&format!(
+        "[pipelines.typed]\nqueue = \"{}\"\nplugin = \"{}\"\n{TYPED_PIPELINE}",
         env.queue,
         plugin_path("chaos").display()
-    );
-    let config =
-        Config::from_toml(Path::new("/tmp/idem-schema-change.toml"), &text).expect("config");
-    Pipeline::start(
-        config.pipelines[0].clone(),
-        PluginRuntime::new().expect("plugin runtime"),
-        &env.open_database().await,
-        Arc::new(Metrics::new()),
-    )
+    ))
     .await
     .expect("pipeline starts")
 }

@@ -407,22 +407,8 @@ async fn the_admin_api_groups_dead_letters_and_replays_a_group() {
 /// delivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn looking_at_a_quorum_dead_letter_queue_destroys_nothing() {
-    use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
     let env = TestEnv::new("dlq_quorum").await;
-    let quorum = |limit: Option<i64>| {
-        let mut arguments = FieldTable::default();
-        arguments.insert(
-            ShortString::from("x-queue-type"),
-            AMQPValue::LongString(LongString::from("quorum")),
-        );
-        if let Some(limit) = limit {
-            arguments.insert(
-                ShortString::from("x-delivery-limit"),
-                AMQPValue::LongLongInt(limit),
-            );
-        }
-        arguments
-    };
+    let quorum = idem_e2e::quorum_arguments;
     idem_e2e::redeclare(&env.channel, &env.queue, quorum(None)).await;
     idem_e2e::redeclare(&env.channel, &env.dead_letter_queue, quorum(Some(2))).await;
     for letter in ["first", "second", "third"] {

@@ -176,16 +176,38 @@ impl TestEnv {
     /// The loyalty pipeline with `plugin`, started without a broker, for calling
     /// `process::handle_delivery` directly.
     pub async fn pipeline(&self, plugin: &str, extra: &str) -> idem_host::pipeline::Pipeline {
-        let config = self.config(plugin, extra);
-        let runtime = idem_host::sandbox::PluginRuntime::new().expect("plugin runtime");
+        self.start_pipeline(&self.config(plugin, extra))
+            .await
+            .expect("pipeline starts")
+    }
+
+    /// The first pipeline of a whole `[pipelines.<name>]` text (this env's `[database]` and
+    /// `[amqp]` before it), started without a broker; the refusal as text.
+    pub async fn pipeline_from(
+        &self,
+        pipeline_text: &str,
+    ) -> Result<idem_host::pipeline::Pipeline, String> {
+        let config = Config::from_toml(
+            Path::new("/tmp/idem-pipeline-test.toml"),
+            &format!("{}{pipeline_text}", self.config_header()),
+        )
+        .map_err(|error| error.to_string())?;
+        self.start_pipeline(&config).await
+    }
+
+    /// `config`'s first pipeline, started without a broker.
+    async fn start_pipeline(
+        &self,
+        config: &Config,
+    ) -> Result<idem_host::pipeline::Pipeline, String> {
         idem_host::pipeline::Pipeline::start(
             config.pipelines[0].clone(),
-            runtime,
+            idem_host::sandbox::PluginRuntime::new().expect("plugin runtime"),
             &self.open_database().await,
             std::sync::Arc::new(idem_host::metrics::Metrics::new()),
         )
         .await
-        .expect("pipeline starts")
+        .map_err(|error| error.to_string())
     }
 
     /// The host's sessions and bookkeeping pool for this env's `[database]`, opened as `idem
@@ -546,6 +568,23 @@ ON CONFLICT (customer_id) DO UPDATE SET points = balances.points + EXCLUDED.poin
 """
 record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES ($1, $2, $3)"
 "#;
+
+/// The arguments of a quorum queue, with `delivery_limit` when given.
+pub fn quorum_arguments(delivery_limit: Option<i64>) -> FieldTable {
+    use lapin::types::{AMQPValue, LongString};
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        ShortString::from("x-queue-type"),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    if let Some(limit) = delivery_limit {
+        arguments.insert(
+            ShortString::from("x-delivery-limit"),
+            AMQPValue::LongLongInt(limit),
+        );
+    }
+    arguments
+}
 
 /// Deletes `queue` and declares it again, durable, with `arguments` (as infrastructure code
 /// would, e.g. a quorum queue with a delivery limit).

@@ -51,6 +51,15 @@ impl Params {
         }
     }
 
+    /// The type the value at `position` binds as (no copy of the list: `bind` asks once per
+    /// value of every message).
+    fn type_at(&self, position: usize, value: &Value) -> ParamType {
+        match self {
+            Params::Declared(types) => types.read().expect("parameter types")[position],
+            Params::Counted(_) => ParamType::natural(value),
+        }
+    }
+
     /// The type each of `values` binds as.
     fn types_of(&self, values: &[Value]) -> Vec<ParamType> {
         match self {
@@ -321,13 +330,12 @@ impl StatementCatalog {
                 given: params.len(),
             });
         }
-        let types = prepared.params.types_of(params);
         let mut out_of_range = None;
         let values = params
             .iter()
-            .zip(types)
             .enumerate()
-            .map(|(position, (value, param_type))| {
+            .map(|(position, value)| {
+                let param_type = prepared.params.type_at(position, value);
                 let problem = match param_type.convert(value) {
                     Ok(bound) => return Ok(bound),
                     Err(problem) => problem,
