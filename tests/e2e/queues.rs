@@ -7,24 +7,11 @@ use std::time::Duration;
 
 use lapin::BasicProperties;
 use lapin::options::{BasicGetOptions, BasicNackOptions, BasicPublishOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::{AMQPValue, LongString, ShortString};
 
-use idem_e2e::{TestEnv, amqp_url, must_refuse, order, redeclare, spawn_idem, wait_for};
-
-fn quorum(delivery_limit: Option<i64>) -> FieldTable {
-    let mut arguments = FieldTable::default();
-    arguments.insert(
-        ShortString::from("x-queue-type"),
-        AMQPValue::LongString(LongString::from("quorum")),
-    );
-    if let Some(limit) = delivery_limit {
-        arguments.insert(
-            ShortString::from("x-delivery-limit"),
-            AMQPValue::LongLongInt(limit),
-        );
-    }
-    arguments
-}
+use idem_e2e::{
+    TestEnv, amqp_url, must_refuse, order, quorum_arguments, redeclare, spawn_idem, wait_for,
+};
 
 /// A quorum queue declared by infrastructure code with a delivery limit, used as it is
 /// (`declare = false`; its dead-letter queue does not exist and idem declares it): 2,000
@@ -33,7 +20,7 @@ fn quorum(delivery_limit: Option<i64>) -> FieldTable {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_predeclared_quorum_queue_gets_every_order_once_across_a_kill() {
     let env = TestEnv::new("quorum_kill").await;
-    redeclare(&env.channel, &env.queue, quorum(Some(5))).await;
+    redeclare(&env.channel, &env.queue, quorum_arguments(Some(5))).await;
     env.channel
         .queue_delete(
             ShortString::from(env.dead_letter_queue.as_str()),
@@ -134,6 +121,14 @@ async fn a_message_over_the_delivery_limit_lands_in_the_dead_letter_queue() {
     .await;
     host.kill().expect("stop the host");
     host.wait().expect("reap the host");
+    // Until the broker has seen the killed host's connection close, it may push the next
+    // message to that dead consumer and count its return as a delivery.
+    wait_for(
+        "the killed host's consumer gone",
+        Duration::from_secs(30),
+        || async { idem_e2e::consumers(&env.queue) == 0 },
+    )
+    .await;
 
     // Another consumer that keeps returning a message it cannot handle.
     let channel = env.live_channel().await;
@@ -225,7 +220,7 @@ async fn broker_configuration_faults_stop_the_host() {
     ];
     // A quorum queue where the config says classic (the default).
     let (quorum_queue, quorum_dead_letters) = env.extra_queues("quorum").await;
-    redeclare(&env.channel, &quorum_queue, quorum(None)).await;
+    redeclare(&env.channel, &quorum_queue, quorum_arguments(None)).await;
     cases.push((
         "quorum queue, classic configured",
         env.config_text("loyalty", "")
