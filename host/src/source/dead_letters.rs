@@ -203,3 +203,27 @@ pub enum Action {
     /// counted in `x-idem-replays`: retries start over in the pipeline.
     Replay,
 }
+
+/// Waits until no other pass of this process reads `dead_letter` (a queue or a subject), and
+/// holds the turn until the returned guard drops.
+///
+/// A pass over a RabbitMQ queue holds what it read (unacked) until it gives it back, so a
+/// second pass at the same time would find those messages missing and list too few (two
+/// operators on the console, or the view and its pipeline choice firing together). Passes of
+/// different processes (`idem dlq` beside a running host) still meet; the broker offers no
+/// lock that would not also stop the consumer.
+pub(super) async fn turn(dead_letter: &str) -> tokio::sync::OwnedMutexGuard<()> {
+    static TURNS: std::sync::LazyLock<
+        std::sync::Mutex<BTreeMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>,
+    > = std::sync::LazyLock::new(Default::default);
+    let turn = {
+        let mut turns = TURNS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Forget the turns nobody holds or waits for, so the map stays as small as the
+        // passes running.
+        turns.retain(|_, turn| std::sync::Arc::strong_count(turn) > 1);
+        turns.entry(dead_letter.to_string()).or_default().clone()
+    };
+    turn.lock_owned().await
+}

@@ -69,6 +69,7 @@ pub async fn pass_dead_letters(
     action: dead_letters::Action,
     seen: impl FnMut(&dead_letters::DeadLetter),
 ) -> Result<u64, SourceError> {
+    let _turn = dead_letters::turn(pipeline.dead_letter()).await;
     match &pipeline.source {
         crate::config::SourceConfig::RabbitMq(_) => {
             Ok(rabbitmq::dead_letters::pass(amqp, pipeline, selection, action, seen).await?)

@@ -247,6 +247,7 @@ async function reloadPlugin(name) {
 // --- dead letters -----------------------------------------------------------------------
 
 let letters = null; // the last list of the selected pipeline
+let deadLetterReads = 0; // lists asked for; only the newest one is drawn
 
 function fillPipelineChoice() {
   const select = $("#dl-pipeline");
@@ -265,7 +266,10 @@ async function refreshDeadLetters() {
   const name = $("#dl-pipeline").value;
   if (!name) return;
   $("#dl-summary").textContent = "reading…";
+  const read = ++deadLetterReads;
   const { status, body } = await api("GET", `/admin/dead-letters/${encodeURIComponent(name)}`);
+  // A list asked for later (another pipeline chosen, refresh clicked) answers for the page.
+  if (read !== deadLetterReads) return;
   if (status !== 200) {
     $("#dl-summary").textContent = "";
     notice(`dead letters of ${name}: ${body.error || status}`, true);
