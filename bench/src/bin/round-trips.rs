@@ -252,7 +252,7 @@ impl Client {
             claim,
             credit,
             ledger,
-            begin: shared.pipeline.transaction.begin_sql(),
+            begin: idem_host::store::ledger::opening_sql(&shared.pipeline.transaction),
         }
     }
 

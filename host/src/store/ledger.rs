@@ -17,7 +17,7 @@ use futures::future::maybe_done;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, Statement};
 
-use crate::config::{ClaimMode, PipelineConfig, TransactionConfig};
+use crate::config::{ClaimMode, Isolation, PipelineConfig, TransactionConfig};
 use crate::effect::{Decision, Effect};
 use crate::failpoint::Failpoint;
 use crate::store::fault::{self, Fault, Origin};
@@ -572,7 +572,21 @@ async fn commit_isolated(client: &Client, undo_last: bool) -> Result<Vec<Reply>,
 /// The statements that open a transaction: isolation and server-side timeouts, then the
 /// mark the claims look for (`inside_open_transaction!`).
 fn begin_sql(settings: &TransactionConfig) -> String {
-    format!("{}; {MARK_OPEN}", settings.begin_sql())
+    format!("{}; {MARK_OPEN}", opening_sql(settings))
+}
+
+/// `BEGIN` with the pipeline's isolation, and its server-side timeouts, in one round trip.
+pub fn opening_sql(settings: &TransactionConfig) -> String {
+    let isolation = match settings.isolation {
+        Isolation::ReadCommitted => "READ COMMITTED",
+        Isolation::RepeatableRead => "REPEATABLE READ",
+        Isolation::Serializable => "SERIALIZABLE",
+    };
+    format!(
+        "BEGIN ISOLATION LEVEL {isolation}; SET LOCAL statement_timeout = {}; SET LOCAL lock_timeout = {}",
+        settings.statement_timeout.as_millis(),
+        settings.lock_timeout.as_millis()
+    )
 }
 
 /// Opens the transaction with `begin`: at the head of `flight` when what follows it is a host

@@ -14,7 +14,7 @@ use async_nats::jetstream::{self, stream};
 use super::{
     JetStreamError, KIND, connect, copied_headers, find_stream, header_pairs, request_error,
 };
-use crate::config::{JetStreamSource, PipelineConfig, subject_matches};
+use crate::config::{JetStreamConfig, PipelineConfig, subject_matches};
 use crate::message::InboundMessage;
 use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection};
 use crate::source::headers;
@@ -23,7 +23,7 @@ use crate::source::headers;
 /// the pass began, oldest first, calls `seen` with each selected one and replays it if
 /// `action` says so. Returns how many were selected.
 pub async fn pass(
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
     pipeline: &PipelineConfig,
     selection: &Selection,
     action: Action,
@@ -87,7 +87,7 @@ pub async fn pass(
 /// The dead letter as the pipeline's plugin saw it: from the pipeline's stream, on the subject
 /// it was consumed from, with the producer's message id.
 fn message(
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
     pipeline: &PipelineConfig,
     stored: &StreamMessage,
 ) -> InboundMessage {
@@ -118,7 +118,7 @@ fn message(
 async fn replay(
     context: &jetstream::Context,
     dead_letters: &stream::Stream,
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
     stored: &StreamMessage,
     replays: u64,
 ) -> Result<(), JetStreamError> {

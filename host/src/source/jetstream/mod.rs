@@ -23,7 +23,7 @@ use tracing::warn;
 pub mod dead_letters;
 
 use crate::config::{
-    ClaimMode, ConsumerStart, JetStreamSource, PipelineConfig, SourceConfig, subject_matches,
+    ClaimMode, ConsumerStart, JetStreamConfig, PipelineConfig, SourceConfig, subject_matches,
 };
 use crate::message::InboundMessage;
 use crate::source::{self, Delivery, Source, SourceError, headers, unix_seconds};
@@ -68,7 +68,7 @@ impl JetStreamError {
 }
 
 /// `pipeline`'s stream settings; `None` for a pipeline with another source.
-pub fn settings(pipeline: &PipelineConfig) -> Option<&JetStreamSource> {
+pub fn settings(pipeline: &PipelineConfig) -> Option<&JetStreamConfig> {
     match &pipeline.source {
         SourceConfig::JetStream(source) => Some(source),
         _ => None,
@@ -84,7 +84,7 @@ const TLS_FILES: tls::FileSettings = tls::FileSettings {
 
 /// Connects to `source`'s servers, with its credentials and TLS settings, named for `purpose`.
 pub async fn connect(
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
     purpose: String,
 ) -> Result<async_nats::Client, JetStreamError> {
     let table = &source.table;
@@ -179,7 +179,7 @@ pub struct Session {
 struct Route {
     context: jetstream::Context,
     pipeline: String,
-    source: JetStreamSource,
+    source: JetStreamConfig,
     /// The try each message the plugin asked to retry is on next, by stream sequence. The
     /// server counts every delivery (a restart, a crash, a late ack each spend one); idem
     /// counts only the plugin's tries. Kept in memory: after a restart, or on another host,
@@ -317,7 +317,7 @@ async fn find_stream(
 /// `source`'s durable consumer, or `None` when its stream has no consumer by that name.
 async fn find_consumer(
     context: &jetstream::Context,
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
 ) -> Result<Option<jetstream::consumer::Consumer<pull::Config>>, JetStreamError> {
     match context
         .get_consumer_from_stream::<pull::Config, _, _>(&source.consumer, &source.stream)
@@ -335,7 +335,7 @@ async fn find_consumer(
 }
 
 /// The refusal for `key`'s `name` missing with `declare = false`, which idem does not create.
-fn must_exist(source: &JetStreamSource, key: &str, name: &str) -> JetStreamError {
+fn must_exist(source: &JetStreamConfig, key: &str, name: &str) -> JetStreamError {
     JetStreamError::Refused {
         subject: format!("{}.{key} {name:?}", source.table),
         reason: "it does not exist".into(),
@@ -348,7 +348,7 @@ fn must_exist(source: &JetStreamSource, key: &str, name: &str) -> JetStreamError
 
 /// The refusal for an existing consumer that differs from `source`'s (see `differences`).
 fn check_consumer(
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
     consumer: &jetstream::consumer::Consumer<pull::Config>,
 ) -> Result<(), JetStreamError> {
     let differences = differences(
@@ -373,7 +373,7 @@ fn check_consumer(
 /// may declare; refused when missing and it may not, or when the server refuses to create it.
 async fn ensure_stream(
     context: &jetstream::Context,
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
     name: &str,
     subject: String,
     key: &str,
@@ -410,7 +410,7 @@ async fn ensure_stream(
 /// What a dead-letter stream idem creates captures: every subject under its name when the
 /// pipeline's dead-letter subject is one (the default, `<stream>_DEAD_LETTERS.<pipeline>`),
 /// so every pipeline sharing it is captured from the start; otherwise that subject.
-fn dead_letter_capture(source: &JetStreamSource) -> String {
+fn dead_letter_capture(source: &JetStreamConfig) -> String {
     let prefix = format!("{}.", source.dead_letter_stream);
     if source.dead_letter_subject.starts_with(&prefix) {
         format!("{prefix}>")
@@ -420,7 +420,7 @@ fn dead_letter_capture(source: &JetStreamSource) -> String {
 }
 
 /// Whether `stream` captures `source`'s dead-letter subject.
-fn captures_dead_letters(stream: &stream::Info, source: &JetStreamSource) -> bool {
+fn captures_dead_letters(stream: &stream::Info, source: &JetStreamConfig) -> bool {
     stream
         .config
         .subjects
@@ -431,7 +431,7 @@ fn captures_dead_letters(stream: &stream::Info, source: &JetStreamSource) -> boo
 /// The refusal for a dead-letter stream that does not capture the pipeline's dead-letter
 /// subject and may not be changed (`declare = false`), or refused the change.
 fn not_captured(
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
     subjects: &[String],
     reason: Option<String>,
 ) -> JetStreamError {
@@ -459,7 +459,7 @@ fn not_captured(
 /// may do this at once: each change is checked by reading the stream again.
 async fn ensure_dead_letter_stream(
     context: &jetstream::Context,
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
 ) -> Result<(), JetStreamError> {
     let name = &source.dead_letter_stream;
     for _ in 0..5 {
@@ -526,7 +526,7 @@ async fn ensure_dead_letter_stream(
 }
 
 /// The durable pull consumer `source` describes.
-fn wanted(source: &JetStreamSource) -> pull::Config {
+fn wanted(source: &JetStreamConfig) -> pull::Config {
     pull::Config {
         durable_name: Some(source.consumer.clone()),
         filter_subject: source.subject.clone().unwrap_or_default(),
@@ -552,7 +552,7 @@ fn claim_window(pipeline: &PipelineConfig) -> Option<Duration> {
 /// apply them a second time.
 async fn consumer_to_create(
     context: &jetstream::Context,
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
     window: Option<Duration>,
 ) -> Result<pull::Config, JetStreamError> {
     let mut config = wanted(source);
@@ -588,7 +588,7 @@ async fn consumer_to_create(
 /// other settings than the source's.
 async fn ensure_consumer(
     context: &jetstream::Context,
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
     window: Option<Duration>,
 ) -> Result<jetstream::consumer::Consumer<pull::Config>, JetStreamError> {
     let consumer = match find_consumer(context, source).await? {
@@ -679,7 +679,7 @@ pub enum Found {
 /// Looks at `source`'s stream, consumer and dead-letter stream without creating anything.
 /// A refusal when something is missing that `idem run` would not create (`declare = false`),
 /// or the consumer differs from the config.
-pub async fn inspect(source: &JetStreamSource) -> Result<Found, JetStreamError> {
+pub async fn inspect(source: &JetStreamConfig) -> Result<Found, JetStreamError> {
     let context = jetstream::new(connect(source, "idem check".into()).await?);
     let Some(stream) = find_stream(&context, &source.stream).await? else {
         if source.declare {
@@ -724,7 +724,7 @@ pub async fn inspect(source: &JetStreamSource) -> Result<Found, JetStreamError> 
 }
 
 /// The consumer's pending and unacknowledged counts and the dead-letter stream's messages.
-pub async fn depths(source: &JetStreamSource) -> Result<source::Depths, JetStreamError> {
+pub async fn depths(source: &JetStreamConfig) -> Result<source::Depths, JetStreamError> {
     let context = jetstream::new(connect(source, "idem depths".into()).await?);
     let Some(mut consumer) = find_consumer(&context, source).await? else {
         return Err(must_exist(source, "consumer", &source.consumer));
@@ -744,7 +744,7 @@ pub async fn depths(source: &JetStreamSource) -> Result<source::Depths, JetStrea
 /// it does not exist.
 async fn dead_letter_count(
     context: &jetstream::Context,
-    source: &JetStreamSource,
+    source: &JetStreamConfig,
 ) -> Result<Option<u64>, JetStreamError> {
     Ok(find_stream(context, &source.dead_letter_stream)
         .await?

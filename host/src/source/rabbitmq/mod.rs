@@ -25,12 +25,12 @@ pub use acks::Acks;
 pub use connect::connect;
 use topology::Role;
 
-use crate::config::{AmqpConfig, PipelineConfig, QueueType, RabbitMqSource, SourceConfig};
+use crate::config::{AmqpConfig, PipelineConfig, QueueType, RabbitMqConfig, SourceConfig};
 use crate::message::InboundMessage;
 use crate::source::{self, Delivery, Source, SourceError, headers, unix_seconds};
 
 /// `pipeline`'s queue and dead-letter queue; an error for a pipeline with another source.
-pub fn queues(pipeline: &PipelineConfig) -> Result<&RabbitMqSource, AmqpError> {
+pub fn queues(pipeline: &PipelineConfig) -> Result<&RabbitMqConfig, AmqpError> {
     match &pipeline.source {
         SourceConfig::RabbitMq(queues) => Ok(queues),
         _ => Err(AmqpError::NotRabbitMq {
@@ -107,7 +107,7 @@ pub struct Session {
 struct Route {
     channel: Channel,
     pipeline: String,
-    queues: RabbitMqSource,
+    queues: RabbitMqConfig,
     /// Ends a retry's wait when the host stops.
     shutdown: CancellationToken,
 }
@@ -179,7 +179,7 @@ impl Session {
     async fn consume(
         connection: &Connection,
         pipeline: &str,
-        queues: &RabbitMqSource,
+        queues: &RabbitMqConfig,
         prefetch: u16,
     ) -> Result<(Channel, Consumer, String), AmqpError> {
         topology::ensure(connection, queues, Role::Consumed, true).await?;
@@ -389,7 +389,7 @@ pub async fn queue_depth(amqp: &AmqpConfig, queue: &str) -> Result<Option<QueueD
 /// Messages ready in `source`'s queue and in its dead-letter queue, over one connection.
 pub async fn depths(
     amqp: &AmqpConfig,
-    source: &RabbitMqSource,
+    source: &RabbitMqConfig,
 ) -> Result<source::Depths, AmqpError> {
     let (connection, channel) = connect_channel(amqp, "depths").await?;
     let waiting = topology::inspect(&channel, &source.queue).await;
@@ -418,7 +418,7 @@ pub async fn depths(
 /// keeps to settle it through `acks`, its channel's ack owner. Call in delivery order.
 pub fn receive(
     pipeline: &str,
-    queues: &RabbitMqSource,
+    queues: &RabbitMqConfig,
     delivery: lapin::message::Delivery,
     acks: &Acks,
 ) -> (InboundMessage, Receipt) {
@@ -524,7 +524,7 @@ impl Receipt {
         &self,
         channel: &Channel,
         pipeline: &str,
-        queues: &RabbitMqSource,
+        queues: &RabbitMqConfig,
         error_kind: &str,
         reason: &str,
     ) -> Result<bool, AmqpError> {

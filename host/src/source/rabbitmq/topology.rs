@@ -11,7 +11,7 @@ use lapin::{Channel, Connection};
 
 use super::AmqpError;
 use super::connect::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, reply};
-use crate::config::{QueueArgument, QueueType, RabbitMqSource};
+use crate::config::{QueueArgument, QueueType, RabbitMqConfig};
 
 /// Which of a pipeline's queues.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +23,7 @@ pub enum Role {
 }
 
 impl Role {
-    pub fn queue(self, queues: &RabbitMqSource) -> &str {
+    pub fn queue(self, queues: &RabbitMqConfig) -> &str {
         match self {
             Role::Consumed => &queues.queue,
             Role::DeadLetter => &queues.dead_letter_queue,
@@ -54,7 +54,7 @@ pub enum Found {
 /// the broker's refusals into configuration faults naming the setting.
 pub async fn ensure(
     connection: &Connection,
-    queues: &RabbitMqSource,
+    queues: &RabbitMqConfig,
     role: Role,
     create: bool,
 ) -> Result<Found, AmqpError> {
@@ -110,7 +110,7 @@ pub async fn ensure(
 }
 
 /// The arguments idem declares `role`'s queue with.
-pub fn arguments(queues: &RabbitMqSource, role: Role) -> FieldTable {
+pub fn arguments(queues: &RabbitMqConfig, role: Role) -> FieldTable {
     let mut arguments = BTreeMap::new();
     let mut text = |name: &str, value: &str| {
         arguments.insert(
@@ -165,7 +165,7 @@ pub(super) async fn inspect(channel: &Channel, queue: &str) -> Result<lapin::Que
 
 async fn declare(
     channel: &Channel,
-    queues: &RabbitMqSource,
+    queues: &RabbitMqConfig,
     role: Role,
 ) -> Result<lapin::Queue, lapin::Error> {
     channel
@@ -182,7 +182,7 @@ async fn declare(
 
 async fn open_channel(
     connection: &Connection,
-    queues: &RabbitMqSource,
+    queues: &RabbitMqConfig,
     role: Role,
 ) -> Result<Channel, AmqpError> {
     connection
@@ -202,7 +202,7 @@ async fn close(channel: Channel) {
 /// A broker refusal about `role`'s queue: a configuration fault naming the setting when the
 /// queue is declared otherwise or not permitted, a passing fault otherwise.
 pub(super) fn refusal(
-    queues: &RabbitMqSource,
+    queues: &RabbitMqConfig,
     role: Role,
     action: &'static str,
     error: lapin::Error,
@@ -240,7 +240,7 @@ pub(super) fn refusal(
 }
 
 /// How idem declares `role`'s queue, for messages: `quorum, x-delivery-limit=5, …`.
-pub fn describe(queues: &RabbitMqSource, role: Role) -> String {
+pub fn describe(queues: &RabbitMqConfig, role: Role) -> String {
     let table = arguments(queues, role);
     let mut words = vec![match queues.queue_type {
         QueueType::Classic => "classic, durable".to_string(),

@@ -1,0 +1,59 @@
+//! The `[http]` table: the endpoint for metrics, health, the admin API and the console.
+
+use std::net::SocketAddr;
+
+use schemars::JsonSchema;
+use serde::Deserialize;
+use toml::Spanned;
+
+use super::ConfigError;
+use super::text::{Document, interpolated_option};
+
+/// The `[http]` table.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Address to listen on; loopback by default.
+    #[serde(default = "default_listen")]
+    #[schemars(with = "String")]
+    pub listen: SocketAddr,
+    /// Bearer token required by every action on `/admin/…`, and by every read when `listen` is
+    /// not a loopback address; mandatory then.
+    #[serde(default, deserialize_with = "interpolated_option")]
+    pub admin_token: Option<String>,
+    /// Serve the operator console at `/` (default `true`): pipelines, dead letters, outbox.
+    #[serde(default = "default_console")]
+    pub console: bool,
+}
+
+impl HttpConfig {
+    /// The table as written, checked: an empty token is none, and a listener beyond loopback
+    /// needs one.
+    pub(super) fn checked(
+        table: Spanned<HttpConfig>,
+        document: &Document,
+    ) -> Result<HttpConfig, ConfigError> {
+        let span = table.span();
+        let mut http = table.into_inner();
+        http.admin_token = http.admin_token.filter(|token| !token.is_empty());
+        if !http.listen.ip().is_loopback() && http.admin_token.is_none() {
+            return Err(document.at(
+                Some(span),
+                "http.admin_token",
+                format!(
+                    "required when http.listen ({}) is not a loopback address",
+                    http.listen
+                ),
+            ));
+        }
+        Ok(http)
+    }
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9464))
+}
+
+fn default_console() -> bool {
+    true
+}

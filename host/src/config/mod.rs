@@ -1,0 +1,172 @@
+//! `pipelines.toml`: what to consume, which plugin decides, which SQL it may run.
+//!
+//! The file is parsed and checked once, in [`Config::load`]: parsed whole (unknown keys are
+//! refused), then each table checked by its own file here, which also fills the defaults
+//! that depend on other keys. Every error names the file, the line and the key. String values
+//! that name endpoints or paths may use `${VAR}` or `${VAR:-default}`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use schemars::JsonSchema;
+use serde::Deserialize;
+use toml::Spanned;
+
+mod database;
+mod http;
+mod outbox;
+mod pipeline;
+mod plugin_pool;
+mod schema;
+mod source;
+mod text;
+mod tls;
+
+pub use database::{DatabaseConfig, DatabaseTls, SslMode};
+pub use http::HttpConfig;
+pub use outbox::{Destination, OutboxConfig};
+pub use pipeline::{
+    BatchConfig, ClaimMode, Isolation, PipelineConfig, PluginLimits, RetentionConfig,
+    TransactionConfig,
+};
+pub use plugin_pool::PluginPoolConfig;
+pub use schema::json_schema;
+pub use source::SourceConfig;
+pub use source::jetstream::{ConsumerStart, JetStreamConfig, subject_matches};
+pub use source::rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqConfig};
+pub use text::{parse_duration, redact_url};
+pub use tls::ClientTls;
+
+use pipeline::RawPipeline;
+use text::Document;
+
+/// A loaded and validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The file it was read from.
+    pub path: PathBuf,
+    pub database: DatabaseConfig,
+    /// The RabbitMQ broker; present whenever a pipeline or an outbox destination uses it.
+    pub amqp: Option<AmqpConfig>,
+    /// The HTTP endpoint (`/metrics`, `/healthz`, `/readyz`, `/admin/…`); none when absent.
+    pub http: Option<HttpConfig>,
+    /// Pipelines by name, in name order.
+    pub pipelines: Vec<PipelineConfig>,
+    /// The `[outbox]` table: destinations and the relay; none when absent.
+    pub outbox: Option<OutboxConfig>,
+    /// The `[plugin_pool]` table.
+    pub plugin_pool: PluginPoolConfig,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path:?}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config {path:?}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+/// The file as written, before defaults that depend on other keys are filled in. Its doc
+/// comments are the descriptions `idem schema` gives editors.
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(
+    title = "pipelines.toml",
+    description = "The idem host's configuration: where the database and the broker are, and one [pipelines.<name>] table per consumed queue or stream. Strings may use ${VAR} and ${VAR:-default}."
+)]
+struct PipelinesFile {
+    /// PostgreSQL: the claims, the effects and the outbox live there.
+    database: DatabaseConfig,
+    /// RabbitMQ: required when a pipeline consumes a RabbitMQ queue or the outbox publishes to
+    /// an exchange.
+    #[schemars(with = "Option<AmqpConfig>")]
+    amqp: Option<Spanned<AmqpConfig>>,
+    /// The HTTP endpoint (`/metrics`, `/healthz`, `/readyz`, `/admin/…`); off when absent.
+    #[schemars(with = "Option<HttpConfig>")]
+    http: Option<Spanned<HttpConfig>>,
+    /// One table per pipeline: a source, a plugin and the statements it may use.
+    #[serde(default)]
+    pipelines: BTreeMap<String, RawPipeline>,
+    /// The transactional outbox: destinations, and the relay that delivers after commit.
+    #[schemars(with = "Option<OutboxConfig>")]
+    outbox: Option<Spanned<OutboxConfig>>,
+    /// wasmtime's pooling allocator for plugin instances.
+    plugin_pool: Option<PluginPoolConfig>,
+}
+
+impl Config {
+    /// Reads, interpolates and validates `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::from_toml(path, &text)
+    }
+
+    /// Parses `text` as if read from `path`; relative plugin paths resolve against its directory.
+    pub fn from_toml(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        let document = Document { path, text };
+        let file: PipelinesFile =
+            toml::from_str(text).map_err(|error| document.invalid(error.to_string()))?;
+        let database = file.database.checked(&document);
+        let amqp = file
+            .amqp
+            .map(|table| AmqpConfig::checked(table, &document))
+            .transpose()?;
+        let http = file
+            .http
+            .map(|table| HttpConfig::checked(table, &document))
+            .transpose()?;
+        let outbox = file
+            .outbox
+            .map(|table| OutboxConfig::checked(table, &document))
+            .transpose()?;
+        if file.pipelines.is_empty() {
+            return Err(document.invalid("no pipelines: add a [pipelines.<name>] table"));
+        }
+        let pipelines = file
+            .pipelines
+            .into_iter()
+            .map(|(name, raw)| raw.checked(name, outbox.as_ref(), &document))
+            .collect::<Result<Vec<_>, _>>()?;
+        if amqp.is_none() {
+            let rabbitmq_pipeline = pipelines
+                .iter()
+                .find(|pipeline| matches!(pipeline.source, SourceConfig::RabbitMq(_)))
+                .map(|pipeline| format!("pipeline {:?} consumes a RabbitMQ queue", pipeline.name));
+            let amqp_destination = outbox.as_ref().and_then(|outbox| {
+                outbox
+                    .destinations
+                    .iter()
+                    .find(|(_, destination)| matches!(destination, Destination::Amqp { .. }))
+                    .map(|(name, _)| format!("outbox destination {name:?} is a RabbitMQ exchange"))
+            });
+            if let Some(user) = rabbitmq_pipeline.or(amqp_destination) {
+                return Err(document.invalid(format!(
+                    "amqp: missing: {user}; add [amqp] with url = \"amqp://…\""
+                )));
+            }
+        }
+        Ok(Config {
+            path: path.to_path_buf(),
+            database,
+            amqp,
+            http,
+            pipelines,
+            outbox,
+            plugin_pool: file.plugin_pool.unwrap_or_default(),
+        })
+    }
+
+    /// The pipeline called `name`, if configured.
+    pub fn pipeline(&self, name: &str) -> Option<&PipelineConfig> {
+        self.pipelines.iter().find(|pipeline| pipeline.name == name)
+    }
+}
+
+#[cfg(test)]
+mod tests;

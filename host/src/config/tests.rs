@@ -1,0 +1,380 @@
+//! `pipelines.toml` read whole: each table's checks, errors naming the line and the key, the schema.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::*;
+
+const VALID: &str = r#"
+[database]
+url = "postgres://127.0.0.1/db"
+
+[amqp]
+url = "amqp://127.0.0.1"
+
+[pipelines.loyalty]
+queue = "order-completed"
+plugin = "plugins/loyalty.wasm"
+
+[pipelines.loyalty.statements]
+credit = "UPDATE balances SET points = points + $2 WHERE customer_id = $1"
+"#;
+
+fn rabbitmq(pipeline: &PipelineConfig) -> &RabbitMqConfig {
+    let SourceConfig::RabbitMq(source) = &pipeline.source else {
+        panic!("a RabbitMQ source, not {:?}", pipeline.source);
+    };
+    source
+}
+
+/// A JetStream source: its defaults, and the keys of one kind refused on the other.
+#[test]
+fn a_jetstream_source() {
+    let jetstream = |keys: &str| {
+        VALID.replace("queue = \"order-completed\"\n", "")
+            + "\n[pipelines.loyalty.source]\nkind = \"jetstream\"\n"
+            + keys
+    };
+    let config = Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &jetstream("servers = [\"nats://127.0.0.1:4222\"]\nstream = \"ORDERS\"\nsubject = \"orders.completed\"\n"),
+    )
+    .expect("a JetStream source");
+    let pipeline = &config.pipelines[0];
+    let SourceConfig::JetStream(source) = &pipeline.source else {
+        panic!("not JetStream: {:?}", pipeline.source);
+    };
+    assert_eq!(source.consumer, "idem-loyalty");
+    assert_eq!(source.ack_wait, Duration::from_secs(30));
+    assert_eq!(source.max_deliver, None);
+    assert_eq!(source.dead_letter_subject, "ORDERS_DEAD_LETTERS.loyalty");
+    assert_eq!(source.dead_letter_stream, "ORDERS_DEAD_LETTERS");
+    assert!(source.declare && source.in_progress);
+    assert_eq!(pipeline.queue(), "ORDERS");
+    assert_eq!(pipeline.source_kind(), "jetstream");
+
+    let without_amqp = jetstream("servers = [\"nats://127.0.0.1:4222\"]\nstream = \"ORDERS\"\n")
+        .replace("[amqp]\nurl = \"amqp://127.0.0.1\"\n", "");
+    let config = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), &without_amqp)
+        .expect("a stream-only config needs no [amqp]");
+    assert!(config.amqp.is_none());
+    check_error(
+        &VALID.replace("[amqp]\nurl = \"amqp://127.0.0.1\"\n", ""),
+        &[
+            "amqp: missing",
+            "pipeline \"loyalty\" consumes a RabbitMQ queue",
+        ],
+    );
+    check_error(
+        &jetstream(
+            "servers = [\"nats://h\"]\nstream = \"ORDERS\"\nsubject = \"orders.>\"\ndead_letter_subject = \"orders.dead\"\n",
+        ),
+        &[
+            "pipelines.loyalty.source.dead_letter_subject",
+            "consumed by the pipeline itself",
+        ],
+    );
+    assert!(subject_matches("orders.*.eu", "orders.created.eu"));
+    assert!(!subject_matches("orders.*", "orders.created.eu"));
+    assert!(!subject_matches("orders.>", "orders"));
+    assert!(subject_matches("orders", "orders"));
+    check_error(
+        &jetstream("servers = [\"nats://127.0.0.1:4222\"]\n"),
+        &["pipelines.loyalty.source.stream", "missing"],
+    );
+    check_error(
+        &jetstream("stream = \"ORDERS\"\n"),
+        &["pipelines.loyalty.source.servers", "missing"],
+    );
+    check_error(
+        &jetstream("servers = [\"nats://h\"]\nstream = \"ORDERS\"\nqueue = \"q\"\n"),
+        &["pipelines.loyalty.source.queue", "RabbitMQ setting"],
+    );
+    check_error(
+        &jetstream("servers = [\"nats://h\"]\nstream = \"OR.DERS\"\n"),
+        &["pipelines.loyalty.source.stream", "OR.DERS"],
+    );
+    check_error(
+        &jetstream("servers = [\"nats://h\"]\nstream = \"ORDERS\"\nack_wait = \"10ms\"\n"),
+        &["pipelines.loyalty.source.ack_wait", "at least 1s"],
+    );
+    // The default max_attempts is 5: a server limit of 5 deliveries leaves no room.
+    check_error(
+        &jetstream("servers = [\"nats://h\"]\nstream = \"ORDERS\"\nmax_deliver = 5\n"),
+        &[
+            "pipelines.loyalty.source.max_deliver",
+            "leaves no room for max_attempts = 5",
+        ],
+    );
+    let config = Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &jetstream(
+            "servers = [\"nats://h\"]\nstream = \"ORDERS\"\nmax_deliver = 6\nstart = \"all\"\n",
+        ),
+    )
+    .unwrap_or_else(|error| panic!("{error}"));
+    let SourceConfig::JetStream(source) = &config.pipelines[0].source else {
+        panic!("a JetStream source");
+    };
+    assert_eq!(source.start, ConsumerStart::All);
+    check_error(
+        &jetstream("servers = [\"nats://h\"]\nstream = \"ORDERS\"\nstart = \"first\"\n"),
+        &["start", "first"],
+    );
+    check_error(
+        &(VALID.replace("queue = \"order-completed\"\n", "")
+            + "\n[pipelines.loyalty.source]\nkind = \"rabbitmq\"\nqueue = \"q\"\nstream = \"S\"\n"),
+        &["pipelines.loyalty.source.stream", "JetStream setting"],
+    );
+}
+
+/// `[pipelines.<name>.source]` and the older form beside it describe the same source;
+/// both at once, or neither, are refused with the form to use.
+#[test]
+fn a_source_table_or_the_older_queue_keys() {
+    let source_form = VALID.replace("queue = \"order-completed\"\n", "")
+        + "\n[pipelines.loyalty.source]\nkind = \"rabbitmq\"\nqueue = \"order-completed\"\nqueue_type = \"quorum\"\ndeclare = false\n";
+    let config = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), &source_form)
+        .expect("the source form");
+    let source = rabbitmq(&config.pipelines[0]);
+    assert_eq!(source.queue, "order-completed");
+    assert_eq!(source.dead_letter_queue, "order-completed.dead-letter");
+    assert_eq!(source.queue_type, QueueType::Quorum);
+    assert!(!source.declare);
+    assert_eq!(source.table, "pipelines.loyalty.source");
+    let older =
+        Config::from_toml(Path::new("/etc/idem/pipelines.toml"), VALID).expect("the older form");
+    assert_eq!(rabbitmq(&older.pipelines[0]).table, "pipelines.loyalty");
+    assert_eq!(older.pipelines[0].queue(), "order-completed");
+
+    check_error(
+        &(VALID.to_string()
+            + "\n[pipelines.loyalty.source]\nkind = \"rabbitmq\"\nqueue = \"other\"\n"),
+        &[
+            "line 15",
+            "pipelines.loyalty.source",
+            "inside [pipelines.<name>.source]",
+        ],
+    );
+    check_error(
+        &VALID.replace("queue = \"order-completed\"\n", ""),
+        &["pipelines.loyalty: no source", "kind = \"rabbitmq\""],
+    );
+    check_error(
+        &(VALID.replace("queue = \"order-completed\"\n", "")
+            + "\n[pipelines.loyalty.source]\nkind = \"rabbitmq\"\n"),
+        &["pipelines.loyalty.source.queue", "missing"],
+    );
+    check_error(
+        &(VALID.replace("queue = \"order-completed\"\n", "")
+            + "\n[pipelines.loyalty.source]\nkind = \"kafka\"\nqueue = \"q\"\n"),
+        &["kafka", "rabbitmq"],
+    );
+    check_error(
+        &(VALID.replace("queue = \"order-completed\"\n", "")
+            + "\n[pipelines.loyalty.source]\nkind = \"rabbitmq\"\nqueue = \"q\"\ndead_letter_queue = \"q\"\n"),
+        &[
+            "line 16",
+            "pipelines.loyalty.source.dead_letter_queue",
+            "must differ",
+        ],
+    );
+}
+
+#[track_caller]
+fn check_error(text: &str, fragments: &[&str]) {
+    let error = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), text)
+        .expect_err("config should be refused")
+        .to_string();
+    assert!(error.contains("/etc/idem/pipelines.toml"), "{error}");
+    for fragment in fragments {
+        assert!(error.contains(fragment), "{error:?} lacks {fragment:?}");
+    }
+}
+
+#[test]
+fn defaults_and_resolution() {
+    let config =
+        Config::from_toml(Path::new("/etc/idem/pipelines.toml"), VALID).expect("valid config");
+    let pipeline = config.pipeline("loyalty").expect("pipeline loyalty");
+    assert_eq!(pipeline.consumer, "loyalty");
+    assert_eq!(pipeline.dead_letter(), "order-completed.dead-letter");
+    assert_eq!(pipeline.plugin, Path::new("/etc/idem/plugins/loyalty.wasm"));
+    assert_eq!(pipeline.claim, ClaimMode::Ledger);
+    assert_eq!(pipeline.limits, PluginLimits::default());
+    assert_eq!(pipeline.statements.len(), 1);
+}
+
+#[test]
+fn errors_name_line_and_key() {
+    check_error(
+        &VALID.replace("queue = ", "queue_name = "),
+        &["line 9", "unknown field `queue_name`"],
+    );
+    check_error(
+        &VALID.replace("plugin = ", "workers = 0\nplugin = "),
+        &["line 10", "workers"],
+    );
+    check_error(
+        &VALID.replace(
+            "[pipelines.loyalty]\n",
+            "[pipelines.loyalty]\nclaim = \"redis\"\n",
+        ),
+        &["line 9", "claim", "ledger"],
+    );
+    check_error(
+        &VALID.replace("credit = \"UPDATE", "credit = \"  \"\nx = \"UPDATE"),
+        &["line 13", "pipelines.loyalty.statements.credit", "empty"],
+    );
+    check_error(
+        &VALID.replace("\"order-completed\"", "\"${IDEM_TEST_UNSET_QUEUE}\""),
+        &["line 9", "IDEM_TEST_UNSET_QUEUE is not set"],
+    );
+    check_error("[amqp]\nurl = \"x\"\n", &["missing field `database`"]);
+    check_error(
+        &format!("{VALID}\n[http]\nlisten = \"0.0.0.0:9464\"\n"),
+        &["http.admin_token: required"],
+    );
+}
+
+#[test]
+fn connectivity_settings_are_checked() {
+    let tls = |url: &str, table: &str| {
+        VALID.replace(
+            "[amqp]\nurl = \"amqp://127.0.0.1\"\n",
+            &format!("[amqp]\nurl = \"{url}\"\n\n[amqp.tls]\n{table}\n"),
+        )
+    };
+    check_error(
+        &tls("amqp://127.0.0.1", "ca_file = \"ca.pem\""),
+        &["line 5", "amqp.tls", "not amqps://"],
+    );
+    check_error(
+        &tls("amqps://127.0.0.1", "cert_file = \"client.pem\""),
+        &["amqp.tls", "cert_file and key_file go together"],
+    );
+    check_error(
+        &VALID.replace("amqp://127.0.0.1", "http://127.0.0.1"),
+        &["amqp.url", "is not an AMQP URL"],
+    );
+    let config = Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &tls("amqps://127.0.0.1", "ca_file = \"ca.pem\""),
+    )
+    .expect("amqps with a CA");
+    assert_eq!(
+        config
+            .amqp
+            .and_then(|amqp| amqp.tls)
+            .and_then(|tls| tls.ca_file),
+        Some(PathBuf::from("/etc/idem/ca.pem"))
+    );
+
+    let queue = |keys: &str| {
+        VALID.replace(
+            "plugin = \"plugins/loyalty.wasm\"\n",
+            &format!("plugin = \"plugins/loyalty.wasm\"\n{keys}\n"),
+        )
+    };
+    check_error(
+        &queue("declare = false\nqueue_arguments = { \"x-delivery-limit\" = 5 }"),
+        &[
+            "line 12",
+            "pipelines.loyalty.queue_arguments",
+            "declare = false",
+        ],
+    );
+    check_error(
+        &queue("queue_arguments = { \"x-queue-type\" = \"quorum\" }"),
+        &["pipelines.loyalty.queue_arguments", "queue_type"],
+    );
+    check_error(&queue("queue_type = \"stream\""), &["queue_type", "quorum"]);
+    let config = Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &queue("queue_type = \"quorum\"\nqueue_arguments = { \"x-delivery-limit\" = 5 }"),
+    )
+    .expect("a quorum queue");
+    let source = rabbitmq(&config.pipelines[0]);
+    assert_eq!(source.queue_type, QueueType::Quorum);
+    assert_eq!(
+        source.queue_arguments.get("x-delivery-limit"),
+        Some(&QueueArgument::Integer(5))
+    );
+
+    let destination =
+        |keys: &str| format!("{VALID}\n[outbox.destinations.hook]\nkind = \"http\"\n{keys}\n");
+    check_error(
+        &destination("url = \"ftp://example.com\""),
+        &["outbox.destinations.hook.url", "http:// or https://"],
+    );
+    check_error(
+        &destination("url = \"http://example.com\"\nca_file = \"ca.pem\""),
+        &["outbox.destinations.hook.ca_file", "https://"],
+    );
+    let config = Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &destination("url = \"https://example.com\"\nca_file = \"ca.pem\""),
+    )
+    .expect("an https destination");
+    let outbox = config.outbox.expect("outbox");
+    assert!(matches!(
+        outbox.destinations.get("hook"),
+        Some(Destination::Http { ca_file: Some(path), .. }) if path == Path::new("/etc/idem/ca.pem")
+    ));
+}
+
+#[test]
+fn the_schema_names_every_table_and_pipeline_key() {
+    let schema = json_schema();
+    let properties = |value: &serde_json::Value| -> Vec<String> {
+        value["properties"]
+            .as_object()
+            .map(|object| object.keys().cloned().collect())
+            .unwrap_or_default()
+    };
+    let top = properties(&schema);
+    for table in [
+        "database",
+        "amqp",
+        "http",
+        "pipelines",
+        "outbox",
+        "plugin_pool",
+    ] {
+        assert!(
+            top.contains(&table.to_string()),
+            "{table} missing from {top:?}"
+        );
+    }
+    assert_eq!(schema["additionalProperties"], false);
+    let pipeline = &schema["$defs"]["RawPipeline"];
+    let keys = properties(pipeline);
+    for key in [
+        "queue",
+        "plugin",
+        "claim",
+        "statements",
+        "cases",
+        "self_test",
+        "limits",
+    ] {
+        assert!(
+            keys.contains(&key.to_string()),
+            "{key} missing from {keys:?}"
+        );
+    }
+    assert_eq!(pipeline["additionalProperties"], false);
+    assert_eq!(
+        pipeline["required"],
+        serde_json::json!(["plugin", "statements"])
+    );
+    let source = &schema["$defs"]["RawSource"];
+    assert_eq!(source["required"], serde_json::json!(["kind"]));
+    assert_eq!(source["additionalProperties"], false);
+    let window = &schema["$defs"]["RetentionConfig"]["properties"]["window"];
+    assert_eq!(window["type"], "string", "{window}");
+    assert!(
+        !schema.to_string().contains("\"default\""),
+        "defaults are described, not generated"
+    );
+}
