@@ -24,14 +24,13 @@ use crate::source::{Delivery, Source, SourceError};
 /// declared otherwise): the host must stop and say which setting to change.
 pub async fn consume<S: Source>(
     pipeline: Arc<Pipeline>,
-    settings: S::Settings,
     shutdown: CancellationToken,
 ) -> Result<(), SourceError> {
     let name = pipeline.config.name.clone();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     while !shutdown.is_cancelled() {
         let opened = tokio::select! {
-            opened = S::open(&settings, &pipeline.config, &shutdown) => opened,
+            opened = S::open(&pipeline.config, &shutdown) => opened,
             () = shutdown.cancelled() => return Ok(()),
         };
         let lost = match opened {

@@ -122,7 +122,6 @@ pub async fn run_with_metrics(
                 outbox_config.clone(),
                 outbox::http_clients(outbox_config)?,
                 pool.clone(),
-                config.amqp.clone(),
                 Arc::clone(&metrics),
                 relay,
                 token.clone(),
@@ -135,7 +134,6 @@ pub async fn run_with_metrics(
                     pipelines.clone(),
                     Arc::clone(&metrics),
                     pool.clone(),
-                    config.amqp.clone(),
                     token.clone(),
                 )
                 .await?,
@@ -154,23 +152,13 @@ pub async fn run_with_metrics(
         for pipeline in &pipelines {
             let pipeline = Arc::clone(pipeline);
             match &pipeline.config.source {
-                SourceConfig::RabbitMq(_) => match config.amqp.clone() {
-                    Some(amqp) => consumers.spawn(consumer::consume::<rabbitmq::Session>(
-                        pipeline,
-                        amqp,
-                        token.clone(),
-                    )),
-                    // `Config` refuses a RabbitMQ pipeline without [amqp]; stop if one got here.
-                    None => consumers.spawn(std::future::ready(Err(SourceError::from(
-                        rabbitmq::AmqpError::NotConfigured {
-                            pipeline: pipeline.config.name.clone(),
-                        },
-                    )))),
-                },
+                SourceConfig::RabbitMq(_) => consumers.spawn(
+                    consumer::consume::<rabbitmq::Session>(pipeline, token.clone()),
+                ),
                 SourceConfig::JetStream(_) => consumers.spawn(consumer::consume::<
                     jetstream::Session,
                 >(
-                    pipeline, (), token.clone()
+                    pipeline, token.clone()
                 )),
             };
         }

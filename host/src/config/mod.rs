@@ -37,6 +37,7 @@ pub use source::rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqConfig}
 pub use text::{parse_duration, redact_url};
 pub use tls::ClientTls;
 
+use outbox::RawOutbox;
 use pipeline::RawPipeline;
 use text::Document;
 
@@ -46,8 +47,6 @@ pub struct Config {
     /// The file it was read from.
     pub path: PathBuf,
     pub database: DatabaseConfig,
-    /// The RabbitMQ broker; present whenever a pipeline or an outbox destination uses it.
-    pub amqp: Option<AmqpConfig>,
     /// The HTTP endpoint (`/metrics`, `/healthz`, `/readyz`, `/admin/…`); none when absent.
     pub http: Option<HttpConfig>,
     /// Pipelines by name, in name order.
@@ -80,8 +79,8 @@ pub enum ConfigError {
 struct PipelinesFile {
     /// PostgreSQL: the claims, the effects and the outbox live there.
     database: DatabaseConfig,
-    /// RabbitMQ: required when a pipeline consumes a RabbitMQ queue or the outbox publishes to
-    /// an exchange.
+    /// RabbitMQ: the broker of every pipeline that consumes a RabbitMQ queue and of every
+    /// outbox destination that publishes to an exchange, which need it.
     #[schemars(with = "Option<AmqpConfig>")]
     amqp: Option<Spanned<AmqpConfig>>,
     /// The HTTP endpoint (`/metrics`, `/healthz`, `/readyz`, `/admin/…`); off when absent.
@@ -91,8 +90,8 @@ struct PipelinesFile {
     #[serde(default)]
     pipelines: BTreeMap<String, RawPipeline>,
     /// The transactional outbox: destinations, and the relay that delivers after commit.
-    #[schemars(with = "Option<OutboxConfig>")]
-    outbox: Option<Spanned<OutboxConfig>>,
+    #[schemars(with = "Option<RawOutbox>")]
+    outbox: Option<Spanned<RawOutbox>>,
     /// wasmtime's pooling allocator for plugin instances.
     plugin_pool: Option<PluginPoolConfig>,
 }
@@ -123,7 +122,7 @@ impl Config {
             .transpose()?;
         let outbox = file
             .outbox
-            .map(|table| OutboxConfig::checked(table, &document))
+            .map(|table| RawOutbox::checked(table, amqp.as_ref(), &document))
             .transpose()?;
         if file.pipelines.is_empty() {
             return Err(document.invalid("no pipelines: add a [pipelines.<name>] table"));
@@ -131,30 +130,11 @@ impl Config {
         let pipelines = file
             .pipelines
             .into_iter()
-            .map(|(name, raw)| raw.checked(name, outbox.as_ref(), &document))
+            .map(|(name, raw)| raw.checked(name, outbox.as_ref(), amqp.as_ref(), &document))
             .collect::<Result<Vec<_>, _>>()?;
-        if amqp.is_none() {
-            let rabbitmq_pipeline = pipelines
-                .iter()
-                .find(|pipeline| matches!(pipeline.source, SourceConfig::RabbitMq(_)))
-                .map(|pipeline| format!("pipeline {:?} consumes a RabbitMQ queue", pipeline.name));
-            let amqp_destination = outbox.as_ref().and_then(|outbox| {
-                outbox
-                    .destinations
-                    .iter()
-                    .find(|(_, destination)| matches!(destination, Destination::Amqp { .. }))
-                    .map(|(name, _)| format!("outbox destination {name:?} is a RabbitMQ exchange"))
-            });
-            if let Some(user) = rabbitmq_pipeline.or(amqp_destination) {
-                return Err(document.invalid(format!(
-                    "amqp: missing: {user}; add [amqp] with url = \"amqp://…\""
-                )));
-            }
-        }
         Ok(Config {
             path: path.to_path_buf(),
             database,
-            amqp,
             http,
             pipelines,
             outbox,

@@ -12,7 +12,7 @@ use toml::Spanned;
 
 use super::ConfigError;
 use super::outbox::OutboxConfig;
-use super::source::rabbitmq::{QueueArgument, QueueType, RabbitMqKeys};
+use super::source::rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqKeys};
 use super::source::{self, RawSource, SourceConfig};
 use super::text::{
     Document, Table, duration, duration_schema, interpolated_option, interpolated_path,
@@ -342,11 +342,12 @@ pub(super) struct RawPipeline {
 
 impl RawPipeline {
     /// Pipeline `name` as written, checked; its `outbox` effects may name `outbox`'s
-    /// destinations.
+    /// destinations, and a RabbitMQ source's broker is `amqp`.
     pub(super) fn checked(
         self,
         name: String,
         outbox: Option<&OutboxConfig>,
+        amqp: Option<&AmqpConfig>,
         document: &Document,
     ) -> Result<PipelineConfig, ConfigError> {
         let table = Table {
@@ -379,7 +380,7 @@ impl RawPipeline {
             queue_arguments: self.queue_arguments,
             declare: self.declare,
         };
-        let source = source::checked(self.source, older, &name, self.max_attempts, document)?;
+        let source = source::checked(self.source, older, &name, self.max_attempts, amqp, document)?;
         if self.transaction.timeout < Duration::from_secs(1) {
             return Err(table.at(
                 None,

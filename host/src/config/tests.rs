@@ -55,14 +55,21 @@ fn a_jetstream_source() {
 
     let without_amqp = jetstream("servers = [\"nats://127.0.0.1:4222\"]\nstream = \"ORDERS\"\n")
         .replace("[amqp]\nurl = \"amqp://127.0.0.1\"\n", "");
-    let config = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), &without_amqp)
+    Config::from_toml(Path::new("/etc/idem/pipelines.toml"), &without_amqp)
         .expect("a stream-only config needs no [amqp]");
-    assert!(config.amqp.is_none());
     check_error(
         &VALID.replace("[amqp]\nurl = \"amqp://127.0.0.1\"\n", ""),
         &[
             "amqp: missing",
-            "pipeline \"loyalty\" consumes a RabbitMQ queue",
+            "[pipelines.loyalty] consumes a RabbitMQ queue",
+        ],
+    );
+    check_error(
+        &(without_amqp.clone()
+            + "\n[outbox.destinations.audit]\nkind = \"amqp\"\nexchange = \"audit\"\n"),
+        &[
+            "amqp: missing",
+            "outbox destination \"audit\" is a RabbitMQ exchange",
         ],
     );
     check_error(
@@ -262,13 +269,23 @@ fn connectivity_settings_are_checked() {
         &tls("amqps://127.0.0.1", "ca_file = \"ca.pem\""),
     )
     .expect("amqps with a CA");
+    // [amqp] is resolved into each RabbitMQ source (and AMQP destination) that uses it.
+    let broker = &rabbitmq(&config.pipelines[0]).broker;
+    assert_eq!(broker.url, "amqps://127.0.0.1");
     assert_eq!(
-        config
-            .amqp
-            .and_then(|amqp| amqp.tls)
-            .and_then(|tls| tls.ca_file),
+        broker.tls.as_ref().and_then(|tls| tls.ca_file.clone()),
         Some(PathBuf::from("/etc/idem/ca.pem"))
     );
+    let config = Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &format!("{VALID}\n[outbox.destinations.audit]\nkind = \"amqp\"\nexchange = \"audit\"\n"),
+    )
+    .expect("an AMQP destination");
+    let outbox = config.outbox.expect("outbox");
+    assert!(matches!(
+        outbox.destinations.get("audit"),
+        Some(Destination::Amqp { broker, exchange, .. }) if broker.url == "amqp://127.0.0.1" && exchange == "audit"
+    ));
 
     let queue = |keys: &str| {
         VALID.replace(

@@ -12,7 +12,6 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use super::unix_seconds;
-use crate::config::AmqpConfig;
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use crate::source::{self, Depths};
@@ -76,7 +75,6 @@ impl History {
     pub(super) fn spawn(
         pipelines: Arc<Vec<Arc<Pipeline>>>,
         metrics: Arc<Metrics>,
-        amqp: Option<AmqpConfig>,
         pool: sqlx::PgPool,
         shutdown: CancellationToken,
     ) -> Arc<History> {
@@ -96,7 +94,7 @@ impl History {
                     for pipeline in pipelines.iter() {
                         let read = tokio::time::timeout(
                             Duration::from_secs(10),
-                            source::depths(amqp.as_ref(), &pipeline.config),
+                            source::depths(&pipeline.config),
                         )
                         .await
                         .map_err(|_| "no answer within 10 s".to_string())

@@ -28,7 +28,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::config::{AmqpConfig, HttpConfig};
+use crate::config::HttpConfig;
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use crate::reload::{self, Reloaded};
@@ -38,8 +38,6 @@ struct AppState {
     pipelines: Arc<Vec<Arc<Pipeline>>>,
     metrics: Arc<Metrics>,
     pool: PgPool,
-    /// The broker of RabbitMQ pipelines, for their dead letters.
-    amqp: Option<AmqpConfig>,
     admin_token: Option<Arc<str>>,
     /// Whether the listener is a loopback address: reads need no token there.
     loopback: bool,
@@ -77,7 +75,6 @@ pub async fn serve(
     pipelines: Vec<Arc<Pipeline>>,
     metrics: Arc<Metrics>,
     pool: PgPool,
-    amqp: Option<AmqpConfig>,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, HttpError> {
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -90,7 +87,6 @@ pub async fn serve(
     let history = history::History::spawn(
         Arc::clone(&pipelines),
         Arc::clone(&metrics),
-        amqp.clone(),
         pool.clone(),
         shutdown.clone(),
     );
@@ -99,7 +95,6 @@ pub async fn serve(
         metrics,
         pool,
         history,
-        amqp,
         admin_token: config.admin_token.as_deref().map(Arc::from),
         loopback: config.listen.ip().is_loopback(),
     };

@@ -61,13 +61,9 @@ pub(super) async fn list(
     // One more than shown, to know whether there are more.
     let selection = filter.selection(Some(limit + 1));
     let mut letters = Vec::new();
-    source::pass_dead_letters(
-        state.amqp.as_ref(),
-        pipeline,
-        &selection,
-        Action::Look,
-        |letter| letters.push(letter.clone()),
-    )
+    source::pass_dead_letters(pipeline, &selection, Action::Look, |letter| {
+        letters.push(letter.clone())
+    })
     .await
     .map_err(|error| failed(StatusCode::BAD_GATEWAY, error))?;
     let more = letters.len() as u64 > limit;
@@ -110,13 +106,9 @@ pub(super) async fn show(
         ..Selection::default()
     };
     let mut found = None;
-    source::pass_dead_letters(
-        state.amqp.as_ref(),
-        pipeline,
-        &selection,
-        Action::Look,
-        |letter| found = Some(letter.json(true)),
-    )
+    source::pass_dead_letters(pipeline, &selection, Action::Look, |letter| {
+        found = Some(letter.json(true))
+    })
     .await
     .map_err(|error| failed(StatusCode::BAD_GATEWAY, error))?;
     let letter = found.ok_or_else(|| {
@@ -147,13 +139,9 @@ pub(super) async fn replay(
         Action::Replay
     };
     let mut ids = Vec::new();
-    let passed = source::pass_dead_letters(
-        state.amqp.as_ref(),
-        pipeline,
-        &filter.selection(None),
-        action,
-        |letter| ids.push(letter.id.clone()),
-    )
+    let passed = source::pass_dead_letters(pipeline, &filter.selection(None), action, |letter| {
+        ids.push(letter.id.clone())
+    })
     .await;
     let moved = ids.len();
     // Some may have moved before a failure: say how many were selected.

@@ -43,27 +43,18 @@ pub struct Depths {
     pub dead_letters: Option<u64>,
 }
 
-/// Looks up `pipeline`'s depths with a connection of its own (`amqp` for a RabbitMQ source).
-pub async fn depths(
-    amqp: Option<&crate::config::AmqpConfig>,
-    pipeline: &PipelineConfig,
-) -> Result<Depths, SourceError> {
+/// Looks up `pipeline`'s depths with a connection of its own.
+pub async fn depths(pipeline: &PipelineConfig) -> Result<Depths, SourceError> {
     match &pipeline.source {
-        crate::config::SourceConfig::RabbitMq(source) => {
-            let amqp = amqp.ok_or_else(|| AmqpError::NotConfigured {
-                pipeline: pipeline.name.clone(),
-            })?;
-            Ok(rabbitmq::depths(amqp, source).await?)
-        }
+        crate::config::SourceConfig::RabbitMq(source) => Ok(rabbitmq::depths(source).await?),
         crate::config::SourceConfig::JetStream(source) => Ok(jetstream::depths(source).await?),
     }
 }
 
 /// Goes once through the dead letters `pipeline` kept when the pass began, oldest first,
 /// calls `seen` with each selected one, and replays it if `action` says so. Returns how many
-/// were selected. `amqp` is the broker of RabbitMQ pipelines.
+/// were selected.
 pub async fn pass_dead_letters(
-    amqp: Option<&crate::config::AmqpConfig>,
     pipeline: &PipelineConfig,
     selection: &dead_letters::Selection,
     action: dead_letters::Action,
@@ -71,8 +62,8 @@ pub async fn pass_dead_letters(
 ) -> Result<u64, SourceError> {
     let _turn = dead_letters::turn(pipeline.dead_letter()).await;
     match &pipeline.source {
-        crate::config::SourceConfig::RabbitMq(_) => {
-            Ok(rabbitmq::dead_letters::pass(amqp, pipeline, selection, action, seen).await?)
+        crate::config::SourceConfig::RabbitMq(source) => {
+            Ok(rabbitmq::dead_letters::pass(source, pipeline, selection, action, seen).await?)
         }
         crate::config::SourceConfig::JetStream(source) => {
             Ok(jetstream::dead_letters::pass(source, pipeline, selection, action, seen).await?)
@@ -102,8 +93,6 @@ impl SourceError {
 
 /// One pipeline's consumer on its broker.
 pub trait Source: Send + Sized + 'static {
-    /// What the source connects with (the broker's settings).
-    type Settings: Clone + Send + Sync + 'static;
     /// A message received and not settled yet.
     type Delivery: Delivery;
     /// The broker's name, for the logs: "RabbitMQ".
@@ -112,7 +101,6 @@ pub trait Source: Send + Sized + 'static {
     /// Connects, makes sure what the pipeline consumes is there as configured, and starts
     /// consuming. `shutdown` ends any wait a settlement would make (a retry's delay).
     fn open(
-        settings: &Self::Settings,
         pipeline: &PipelineConfig,
         shutdown: &CancellationToken,
     ) -> impl Future<Output = Result<Self, SourceError>> + Send;

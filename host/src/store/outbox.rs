@@ -190,7 +190,6 @@ pub fn spawn_relay(
     config: OutboxConfig,
     http: BTreeMap<String, reqwest::Client>,
     pool: PgPool,
-    amqp: Option<AmqpConfig>,
     metrics: Arc<Metrics>,
     waker: RelayWaker,
     shutdown: CancellationToken,
@@ -199,7 +198,6 @@ pub fn spawn_relay(
         let mut relay = Relay {
             config,
             pool,
-            amqp_config: amqp,
             metrics,
             http,
             amqp: None,
@@ -247,7 +245,7 @@ pub fn spawn_relay(
                 break;
             }
         }
-        if let Some((connection, _)) = relay.amqp.take() {
+        if let Some((_, connection, _)) = relay.amqp.take() {
             let _ = connection.close(200, "idem relay stopping".into()).await;
         }
         debug!("Outbox relay stopped.");
@@ -260,12 +258,11 @@ const CLEAN_EVERY: Duration = Duration::from_secs(600);
 struct Relay {
     config: OutboxConfig,
     pool: PgPool,
-    /// `None` when no pipeline or destination uses RabbitMQ (`Config` checks).
-    amqp_config: Option<AmqpConfig>,
     metrics: Arc<Metrics>,
     /// By destination name.
     http: BTreeMap<String, reqwest::Client>,
-    amqp: Option<(Connection, Channel)>,
+    /// The connection to the broker of AMQP destinations, once one was used.
+    amqp: Option<(AmqpConfig, Connection, Channel)>,
 }
 
 impl Relay {
@@ -396,10 +393,11 @@ impl Relay {
                 }
             }
             Destination::Amqp {
+                broker,
                 exchange,
                 routing_key,
             } => {
-                let channel = self.amqp_channel().await?;
+                let channel = self.amqp_channel(&broker).await?;
                 let mut headers = FieldTable::default();
                 for (name, value) in &row.headers {
                     headers.insert(
@@ -448,25 +446,28 @@ impl Relay {
         }
     }
 
-    async fn amqp_channel(&mut self) -> Result<Channel, String> {
-        if let Some((connection, channel)) = &self.amqp
+    /// A channel with publisher confirms on `broker`: the one open, or a new one.
+    async fn amqp_channel(&mut self, broker: &AmqpConfig) -> Result<Channel, String> {
+        if let Some((open_on, connection, channel)) = &self.amqp
+            && open_on == broker
             && connection.status().connected()
             && channel.status().connected()
         {
             return Ok(channel.clone());
         }
-        let amqp_config = self
-            .amqp_config
-            .as_ref()
-            .ok_or("an AMQP destination needs the [amqp] table")?;
-        let (connection, channel) = rabbitmq::connect_channel(amqp_config, "outbox relay")
+        if let Some((_, connection, _)) = self.amqp.take() {
+            let _ = connection
+                .close(200, "idem relay changes broker".into())
+                .await;
+        }
+        let (connection, channel) = rabbitmq::connect_channel(broker, "outbox relay")
             .await
             .map_err(|error| error.to_string())?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(|error| format!("enable publisher confirms for the outbox: {error}"))?;
-        self.amqp = Some((connection, channel.clone()));
+        self.amqp = Some((broker.clone(), connection, channel.clone()));
         Ok(channel)
     }
 }

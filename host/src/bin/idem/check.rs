@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use idem_host::config::Config;
+use idem_host::config::{AmqpConfig, Config, Destination};
 use idem_host::pipeline;
 use idem_host::sandbox::PluginRuntime;
 use idem_host::source::{jetstream, rabbitmq};
@@ -68,7 +68,7 @@ async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
                 .map(|pipeline_config| Some(StatementCatalog::from_config(pipeline_config))),
         );
     } else {
-        check_broker(&config, &mut problems).await;
+        check_brokers(&config, &mut problems).await;
         check_streams(&config, &mut problems).await;
         match database::connect_once(&config.database).await {
             Err(error) => problems.push(error.to_string()),
@@ -160,16 +160,39 @@ async fn check_streams(config: &Config, problems: &mut Vec<String>) {
     }
 }
 
-/// Connects to RabbitMQ as `idem run` would and checks every pipeline's queues without
-/// declaring any.
-async fn check_broker(config: &Config, problems: &mut Vec<String>) {
+/// Connects to each RabbitMQ broker (of pipelines and outbox destinations) as `idem run`
+/// would and checks every pipeline's queues on it without declaring any.
+async fn check_brokers(config: &Config, problems: &mut Vec<String>) {
+    let destinations = config
+        .outbox
+        .iter()
+        .flat_map(|outbox| outbox.destinations.values())
+        .filter_map(|destination| match destination {
+            Destination::Amqp { broker, .. } => Some(broker),
+            Destination::Http { .. } => None,
+        });
+    let mut brokers: Vec<&AmqpConfig> = Vec::new();
+    for broker in config
+        .pipelines
+        .iter()
+        .filter_map(|pipeline| rabbitmq::queues(pipeline).ok())
+        .map(|queues| &queues.broker)
+        .chain(destinations)
+    {
+        if !brokers.contains(&broker) {
+            brokers.push(broker);
+        }
+    }
+    for broker in brokers {
+        check_broker(config, broker, problems).await;
+    }
+}
+
+/// Connects to `broker` and checks the queues of the pipelines that consume there.
+async fn check_broker(config: &Config, broker: &AmqpConfig, problems: &mut Vec<String>) {
     use rabbitmq::topology::{self, Found, Role};
-    // `Config` refuses a RabbitMQ pipeline or destination without [amqp].
-    let Some(amqp) = &config.amqp else {
-        return;
-    };
-    let endpoint = idem_host::config::redact_url(&amqp.url);
-    let connection = match rabbitmq::connect(amqp, "idem check".into()).await {
+    let endpoint = idem_host::config::redact_url(&broker.url);
+    let connection = match rabbitmq::connect(broker, "idem check".into()).await {
         Ok(connection) => connection,
         Err(error) => {
             problems.push(error.to_string());
@@ -181,6 +204,9 @@ async fn check_broker(config: &Config, problems: &mut Vec<String>) {
         let Ok(queues) = rabbitmq::queues(pipeline_config) else {
             continue;
         };
+        if &queues.broker != broker {
+            continue;
+        }
         for role in [Role::Consumed, Role::DeadLetter] {
             let queue = role.queue(queues);
             let label = match role {

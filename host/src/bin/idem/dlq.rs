@@ -140,42 +140,35 @@ pub async fn dlq(
         .pipeline(pipeline_name)
         .with_context(|| format!("no pipeline {pipeline_name:?} in {}", config.path.display()))?;
     match command {
-        DlqCommand::List { json } => list(&config, pipeline, &selection, json).await,
-        DlqCommand::Show { position, json } => show(&config, pipeline, position, json).await,
-        DlqCommand::Replay { dry_run } => replay(&config, pipeline, &selection, dry_run).await,
+        DlqCommand::List { json } => list(pipeline, &selection, json).await,
+        DlqCommand::Show { position, json } => show(pipeline, position, json).await,
+        DlqCommand::Replay { dry_run } => replay(pipeline, &selection, dry_run).await,
     }
 }
 
 async fn list(
-    config: &Config,
     pipeline: &PipelineConfig,
     selection: &Selection,
     as_json: bool,
 ) -> anyhow::Result<ExitCode> {
     let mut rows = Vec::new();
     let mut letters = Vec::new();
-    source::pass_dead_letters(
-        config.amqp.as_ref(),
-        pipeline,
-        selection,
-        Action::Look,
-        |letter| {
-            if as_json {
-                letters.push(letter.json(false));
-            } else {
-                rows.push([
-                    letter.position.to_string(),
-                    letter.age.map_or("-".into(), format_age),
-                    letter.kind.clone().unwrap_or_else(|| "-".into()),
-                    cut_line(letter.reason.as_deref().unwrap_or("-"), 80),
-                    cut_line(
-                        &String::from_utf8_lossy(&letter.message.body),
-                        PREVIEW_CHARS,
-                    ),
-                ]);
-            }
-        },
-    )
+    source::pass_dead_letters(pipeline, selection, Action::Look, |letter| {
+        if as_json {
+            letters.push(letter.json(false));
+        } else {
+            rows.push([
+                letter.position.to_string(),
+                letter.age.map_or("-".into(), format_age),
+                letter.kind.clone().unwrap_or_else(|| "-".into()),
+                cut_line(letter.reason.as_deref().unwrap_or("-"), 80),
+                cut_line(
+                    &String::from_utf8_lossy(&letter.message.body),
+                    PREVIEW_CHARS,
+                ),
+            ]);
+        }
+    })
     .await?;
     if as_json {
         println!("{}", serde_json::to_string_pretty(&letters)?);
@@ -190,29 +183,18 @@ async fn list(
     Ok(ExitCode::SUCCESS)
 }
 
-async fn show(
-    config: &Config,
-    pipeline: &PipelineConfig,
-    position: u64,
-    as_json: bool,
-) -> anyhow::Result<ExitCode> {
+async fn show(pipeline: &PipelineConfig, position: u64, as_json: bool) -> anyhow::Result<ExitCode> {
     let mut found = None;
     // The messages up to the one asked for: the rest of the queue is not taken.
     let everything = Selection {
         limit: Some(position),
         ..Selection::default()
     };
-    source::pass_dead_letters(
-        config.amqp.as_ref(),
-        pipeline,
-        &everything,
-        Action::Look,
-        |letter| {
-            if letter.position == position {
-                found = Some(letter.clone());
-            }
-        },
-    )
+    source::pass_dead_letters(pipeline, &everything, Action::Look, |letter| {
+        if letter.position == position {
+            found = Some(letter.clone());
+        }
+    })
     .await?;
     let Some(letter) = found else {
         eprintln!(
@@ -251,7 +233,6 @@ async fn show(
 }
 
 async fn replay(
-    config: &Config,
     pipeline: &PipelineConfig,
     selection: &Selection,
     dry_run: bool,
@@ -262,20 +243,14 @@ async fn replay(
         Action::Replay
     };
     let verb = if dry_run { "would replay" } else { "replayed" };
-    let moved = source::pass_dead_letters(
-        config.amqp.as_ref(),
-        pipeline,
-        selection,
-        action,
-        |letter| {
-            println!(
-                "{verb} #{} ({}: {})",
-                letter.position,
-                letter.kind.as_deref().unwrap_or("-"),
-                cut_line(letter.reason.as_deref().unwrap_or("-"), 80)
-            );
-        },
-    )
+    let moved = source::pass_dead_letters(pipeline, selection, action, |letter| {
+        println!(
+            "{verb} #{} ({}: {})",
+            letter.position,
+            letter.kind.as_deref().unwrap_or("-"),
+            cut_line(letter.reason.as_deref().unwrap_or("-"), 80)
+        );
+    })
     .await?;
     println!(
         "{verb} {moved} message(s) from {:?} to {:?}{}",

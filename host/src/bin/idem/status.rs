@@ -58,18 +58,12 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
                 Err(error) => format!("unknown ({error})"),
             };
             println!("  stream        {:?}: {state}", source.stream);
-        } else {
+        } else if let Ok(queues) = rabbitmq::queues(pipeline_config) {
             for (label, queue) in [
-                ("queue", pipeline_config.queue()),
-                ("dead letters", pipeline_config.dead_letter()),
+                ("queue", &queues.queue),
+                ("dead letters", &queues.dead_letter_queue),
             ] {
-                let depth = match &config.amqp {
-                    Some(amqp) => rabbitmq::queue_depth(amqp, queue).await,
-                    None => Err(rabbitmq::AmqpError::NotConfigured {
-                        pipeline: pipeline_config.name.clone(),
-                    }),
-                };
-                let depth = match depth {
+                let depth = match rabbitmq::queue_depth(&queues.broker, queue).await {
                     Ok(Some(depth)) => {
                         format!("{} ready, {} consumers", depth.ready, depth.consumers)
                     }

@@ -25,14 +25,10 @@ pub mod jetstream;
 pub mod rabbitmq;
 
 use jetstream::{ConsumerStart, JetStreamConfig, JetStreamKeys};
-use rabbitmq::{QueueArgument, QueueType, RabbitMqConfig, RabbitMqKeys};
+use rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqConfig, RabbitMqKeys};
 
 /// What a pipeline consumes (`[pipelines.<name>.source]`).
 #[derive(Debug, Clone)]
-#[expect(
-    clippy::large_enum_variant,
-    reason = "one per pipeline, read once at start: boxing would buy nothing"
-)]
 pub enum SourceConfig {
     RabbitMq(RabbitMqConfig),
     JetStream(JetStreamConfig),
@@ -189,12 +185,13 @@ impl RawSource {
 
 /// Pipeline `name`'s source: its `[pipelines.<name>.source]` table, or the older form's
 /// RabbitMQ keys beside it in the pipeline's table (`older`), never both. `max_attempts` is
-/// the pipeline's tries of a message.
+/// the pipeline's tries of a message; `amqp` the `[amqp]` table, a RabbitMQ source's broker.
 pub(super) fn checked(
     table: Option<Spanned<RawSource>>,
     older: RabbitMqKeys,
     name: &str,
     max_attempts: NonZeroU32,
+    amqp: Option<&AmqpConfig>,
     document: &Document,
 ) -> Result<SourceConfig, ConfigError> {
     let Some(table) = table else {
@@ -208,7 +205,7 @@ pub(super) fn checked(
             name: format!("pipelines.{name}"),
             span: None,
         };
-        return Ok(SourceConfig::RabbitMq(older.checked(&table)?));
+        return Ok(SourceConfig::RabbitMq(older.checked(&table, amqp)?));
     };
     let span = table.span();
     if !older.set().is_empty() {
@@ -234,7 +231,7 @@ pub(super) fn checked(
                 jetstream.set().first(),
                 "a JetStream setting; a RabbitMQ source names a queue",
             )?;
-            Ok(SourceConfig::RabbitMq(rabbitmq.checked(&table_at)?))
+            Ok(SourceConfig::RabbitMq(rabbitmq.checked(&table_at, amqp)?))
         }
         SourceKind::Jetstream => {
             let set = rabbitmq.set();

@@ -13,7 +13,7 @@ use super::super::text::{Document, Table, interpolated, redact_url};
 use super::super::tls::ClientTls;
 
 /// The `[amqp]` table.
-#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AmqpConfig {
     /// An `amqp://` or `amqps://` (TLS) URL, vhost included (`%2f` for `/`).
@@ -24,9 +24,11 @@ pub struct AmqpConfig {
     pub tls: Option<ClientTls>,
 }
 
-/// A RabbitMQ queue and its dead-letter queue.
+/// A RabbitMQ queue and its dead-letter queue, on its broker.
 #[derive(Debug, Clone)]
 pub struct RabbitMqConfig {
+    /// The broker (the `[amqp]` table).
+    pub broker: AmqpConfig,
     pub queue: String,
     /// Where rejected messages go, with the reason in their headers.
     pub dead_letter_queue: String,
@@ -108,6 +110,9 @@ impl AmqpConfig {
     }
 }
 
+/// How to mend a missing `[amqp]` table, for errors.
+pub(in crate::config) const ADD_AMQP: &str = "add [amqp] with url = \"amqp://…\"";
+
 /// A RabbitMQ source's keys, from `[pipelines.<name>.source]` or the older form.
 pub(in crate::config) struct RabbitMqKeys {
     pub queue: Option<Spanned<String>>,
@@ -132,8 +137,13 @@ impl RabbitMqKeys {
         .collect()
     }
 
-    /// The source these keys describe, written in `table`.
-    pub fn checked(self, table: &Table) -> Result<RabbitMqConfig, ConfigError> {
+    /// The source these keys describe, written in `table`, on `broker` (the `[amqp]` table;
+    /// `None` when the file has none, which this source needs).
+    pub fn checked(
+        self,
+        table: &Table,
+        broker: Option<&AmqpConfig>,
+    ) -> Result<RabbitMqConfig, ConfigError> {
         let Some(queue) = self.queue else {
             return Err(table.at(
                 None,
@@ -182,7 +192,14 @@ impl RabbitMqKeys {
             }
             None => BTreeMap::new(),
         };
+        let broker = broker.cloned().ok_or_else(|| {
+            table.document.invalid(format!(
+                "amqp: missing: [{}] consumes a RabbitMQ queue; {ADD_AMQP}",
+                table.name
+            ))
+        })?;
         Ok(RabbitMqConfig {
+            broker,
             queue,
             dead_letter_queue,
             queue_type: self.queue_type.unwrap_or_default(),

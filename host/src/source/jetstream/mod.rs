@@ -764,12 +764,10 @@ fn request_error(
 }
 
 impl Source for Session {
-    type Settings = ();
     type Delivery = Received;
     const BROKER: &'static str = "NATS JetStream";
 
     async fn open(
-        _settings: &(),
         pipeline: &PipelineConfig,
         _shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {

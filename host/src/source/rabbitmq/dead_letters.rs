@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 use tracing::warn;
 
 use super::{AmqpError, Copy, Receipt, connect_channel, inbound_message, topology};
-use crate::config::{AmqpConfig, PipelineConfig, QueueType};
+use crate::config::{PipelineConfig, QueueType, RabbitMqConfig};
 use crate::message::InboundMessage;
 use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection};
 use crate::source::headers;
@@ -30,18 +30,14 @@ pub const SCAN_BYTES: usize = 64 << 20;
 /// with each selected one (in queue order), replays it if `action` says so, and returns the
 /// rest to the queue in their order. Returns how many were selected.
 pub async fn pass(
-    amqp: Option<&AmqpConfig>,
+    queues: &RabbitMqConfig,
     pipeline: &PipelineConfig,
     selection: &Selection,
     action: Action,
     mut seen: impl FnMut(&DeadLetter),
 ) -> Result<u64, AmqpError> {
-    let queues = super::queues(pipeline)?;
-    let amqp = amqp.ok_or_else(|| AmqpError::NotConfigured {
-        pipeline: pipeline.name.clone(),
-    })?;
     let queue = &queues.dead_letter_queue;
-    let (connection, channel) = connect_channel(amqp, "dlq").await?;
+    let (connection, channel) = connect_channel(&queues.broker, "dlq").await?;
     let acks = super::Acks::spawn(channel.clone());
     channel
         .confirm_select(ConfirmSelectOptions::default())

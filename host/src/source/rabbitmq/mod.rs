@@ -72,8 +72,6 @@ pub enum AmqpError {
     Publish { queue: String, reason: String },
     #[error("the consumer on {queue:?} ended: {reason}")]
     ConsumerLost { queue: String, reason: String },
-    #[error("pipeline {pipeline:?} consumes a RabbitMQ queue, but the config has no [amqp] table")]
-    NotConfigured { pipeline: String },
     #[error("pipeline {pipeline:?} consumes a {kind} source, not a RabbitMQ queue")]
     NotRabbitMq {
         pipeline: String,
@@ -86,9 +84,7 @@ impl AmqpError {
     pub fn is_refused(&self) -> bool {
         matches!(
             self,
-            AmqpError::Refused { .. }
-                | AmqpError::NotRabbitMq { .. }
-                | AmqpError::NotConfigured { .. }
+            AmqpError::Refused { .. } | AmqpError::NotRabbitMq { .. }
         )
     }
 }
@@ -133,7 +129,6 @@ impl Session {
     /// Connects, makes sure the queue and its dead-letter queue are there as configured, and
     /// starts consuming.
     pub async fn open(
-        amqp: &AmqpConfig,
         pipeline: &PipelineConfig,
         shutdown: &CancellationToken,
     ) -> Result<Session, AmqpError> {
@@ -146,7 +141,7 @@ impl Session {
             queues.queue,
             std::process::id()
         );
-        let connection = connect(amqp, name).await?;
+        let connection = connect(&queues.broker, name).await?;
         match Self::consume(
             &connection,
             &pipeline.name,
@@ -239,16 +234,14 @@ impl Session {
 }
 
 impl Source for Session {
-    type Settings = AmqpConfig;
     type Delivery = Received;
     const BROKER: &'static str = "RabbitMQ";
 
     async fn open(
-        settings: &AmqpConfig,
         pipeline: &PipelineConfig,
         shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
-        Ok(Session::open(settings, pipeline, shutdown).await?)
+        Ok(Session::open(pipeline, shutdown).await?)
     }
 
     async fn next(&mut self) -> Result<Received, SourceError> {
@@ -387,11 +380,8 @@ pub async fn queue_depth(amqp: &AmqpConfig, queue: &str) -> Result<Option<QueueD
 }
 
 /// Messages ready in `source`'s queue and in its dead-letter queue, over one connection.
-pub async fn depths(
-    amqp: &AmqpConfig,
-    source: &RabbitMqConfig,
-) -> Result<source::Depths, AmqpError> {
-    let (connection, channel) = connect_channel(amqp, "depths").await?;
+pub async fn depths(source: &RabbitMqConfig) -> Result<source::Depths, AmqpError> {
+    let (connection, channel) = connect_channel(&source.broker, "depths").await?;
     let waiting = topology::inspect(&channel, &source.queue).await;
     // A failed passive declare closes the channel: the dead-letter queue gets its own.
     let dead_letters = match connection.create_channel().await {
