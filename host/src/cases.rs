@@ -35,7 +35,7 @@ use crate::config::{PipelineConfig, PluginLimits};
 use crate::effect::{Decision, Effect, FailureKind, OutboxMessage, Outcome, Value};
 use crate::message::InboundMessage;
 use crate::sandbox::{LoadedPlugin, PluginError, PluginRuntime};
-use crate::source::rabbitmq;
+use crate::source;
 use crate::store::ledger::{Plan, PlanError};
 use crate::store::statement::{BoundEffect, StatementCatalog};
 
@@ -453,14 +453,7 @@ impl<'a> Origin<'a> {
     /// `body` as a plain publish to `subject` would arrive: no headers, no message id, a
     /// first delivery; for RabbitMQ, through the default exchange.
     pub fn message(&self, body: Vec<u8>, subject: &str) -> InboundMessage {
-        let attributes = if self.source == rabbitmq::KIND {
-            vec![
-                ("exchange".to_string(), String::new()),
-                ("routing-key".to_string(), subject.to_string()),
-            ]
-        } else {
-            Vec::new()
-        };
+        let attributes = source::published_attributes(self.source, subject);
         InboundMessage {
             pipeline: self.pipeline.to_string(),
             source: self.source.to_string(),

@@ -3,6 +3,8 @@
 //! apply them, then has each delivery settled with its broker (ack, dead-letter, retry or
 //! requeue) after its transaction. Names no broker.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -17,20 +19,40 @@ use crate::failpoint::Failpoint;
 use crate::message::InboundMessage;
 use crate::pipeline::Pipeline;
 use crate::process::{self, Disposition};
-use crate::source::{Delivery, Source, SourceError};
+use crate::source::{self, Delivery, ForKind, Source, SourceError};
 
-/// Consumes the pipeline's queue from source `S` until `shutdown`, reconnecting with backoff.
-/// Returns an error only for a refusal no retry can fix (credentials, vhost, TLS, a queue
-/// declared otherwise): the host must stop and say which setting to change.
+/// Consumes `pipeline`'s queue or stream until `shutdown`, whatever its kind (see
+/// [`consume`]).
+pub fn consume_pipeline(
+    pipeline: Arc<Pipeline>,
+    shutdown: CancellationToken,
+) -> Pin<Box<dyn Future<Output = Result<(), SourceError>> + Send>> {
+    struct Consume(Arc<Pipeline>, CancellationToken);
+    impl ForKind for Consume {
+        type Output = Pin<Box<dyn Future<Output = Result<(), SourceError>> + Send>>;
+
+        fn run<S: Source>(self, config: &S::Config) -> Self::Output {
+            Box::pin(consume::<S>(self.0, config.clone(), self.1))
+        }
+    }
+    let config = Arc::clone(&pipeline);
+    source::for_kind(&config.config, Consume(pipeline, shutdown))
+}
+
+/// Consumes the pipeline's queue from source `S`, configured by `config`, until `shutdown`,
+/// reconnecting with backoff. Returns an error only for a refusal no retry can fix
+/// (credentials, vhost, TLS, a queue declared otherwise): the host must stop and say which
+/// setting to change.
 pub async fn consume<S: Source>(
     pipeline: Arc<Pipeline>,
+    config: S::Config,
     shutdown: CancellationToken,
 ) -> Result<(), SourceError> {
     let name = pipeline.config.name.clone();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     while !shutdown.is_cancelled() {
         let opened = tokio::select! {
-            opened = S::open(&pipeline.config, &shutdown) => opened,
+            opened = S::open(&config, &pipeline.config, &shutdown) => opened,
             () = shutdown.cancelled() => return Ok(()),
         };
         let lost = match opened {

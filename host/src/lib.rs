@@ -51,12 +51,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::config::Config;
-use crate::config::SourceConfig;
 use crate::http::HttpError;
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError};
 use crate::sandbox::{PluginError, PluginRuntime};
-use crate::source::{SourceError, jetstream, rabbitmq};
+use crate::source::SourceError;
 use crate::store::database::{self, DatabaseError};
 use crate::store::outbox::RelayWaker;
 use crate::store::{outbox, retention};
@@ -151,16 +150,7 @@ pub async fn run_with_metrics(
         let mut consumers = JoinSet::new();
         for pipeline in &pipelines {
             let pipeline = Arc::clone(pipeline);
-            match &pipeline.config.source {
-                SourceConfig::RabbitMq(_) => consumers.spawn(
-                    consumer::consume::<rabbitmq::Session>(pipeline, token.clone()),
-                ),
-                SourceConfig::JetStream(_) => consumers.spawn(consumer::consume::<
-                    jetstream::Session,
-                >(
-                    pipeline, token.clone()
-                )),
-            };
+            consumers.spawn(consumer::consume_pipeline(pipeline, token.clone()));
         }
         info!(pipelines = pipelines.len(), "idem is running.");
         let mut refused = None;

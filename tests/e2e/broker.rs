@@ -224,7 +224,10 @@ async fn one_ack_owner_settles_deliveries_in_any_order_without_losing_the_channe
         receipts.push(
             idem_host::source::rabbitmq::receive(
                 &pipeline.name,
-                idem_host::source::rabbitmq::queues(&pipeline).expect("a RabbitMQ pipeline"),
+                match &pipeline.source {
+                    idem_host::config::SourceConfig::RabbitMq(queues) => queues,
+                    other => panic!("a RabbitMQ pipeline, not {other:?}"),
+                },
                 delivery,
                 &acks,
             )

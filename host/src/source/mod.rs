@@ -7,6 +7,11 @@
 //! Architecture invariant: a delivery is acknowledged only when `process` says so, after the
 //! transaction committed; a copy to a dead-letter or retry destination is confirmed by the
 //! broker before the original is acknowledged.
+//!
+//! This file is the one place that chooses a kind of source: each operation below (consume,
+//! depths, dead-letter passes, `idem check`, `idem status`) matches on the pipeline's
+//! [`SourceConfig`] once and hands the kind's module its own settings. A new kind brings its
+//! folder here, its settings file in `config/source/`, and one arm in each match.
 
 pub mod dead_letters;
 pub mod headers;
@@ -18,7 +23,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::config::PipelineConfig;
+use crate::config::{AmqpConfig, Config, Destination, PipelineConfig, SourceConfig};
 use crate::message::InboundMessage;
 
 use self::jetstream::JetStreamError;
@@ -43,11 +48,95 @@ pub struct Depths {
     pub dead_letters: Option<u64>,
 }
 
+/// Something done with a pipeline's [`Source`] whatever its kind: [`for_kind`] calls `run`
+/// with the kind's type and its settings (the consume loop is one).
+pub trait ForKind {
+    type Output;
+
+    fn run<S: Source>(self, config: &S::Config) -> Self::Output;
+}
+
+/// Runs `task` with `pipeline`'s kind of source.
+pub fn for_kind<T: ForKind>(pipeline: &PipelineConfig, task: T) -> T::Output {
+    match &pipeline.source {
+        SourceConfig::RabbitMq(source) => task.run::<rabbitmq::Session>(source),
+        SourceConfig::JetStream(source) => task.run::<jetstream::Session>(source),
+    }
+}
+
+/// One thing `idem check` found about the sources: fine, or a problem to fix before
+/// `idem run`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finding {
+    Ok(String),
+    Problem(String),
+}
+
+/// Connects to every broker `config` uses as `idem run` would (the pipelines' and the AMQP
+/// outbox destinations') and looks at each pipeline's queue or stream, creating nothing.
+pub async fn check(config: &Config) -> Vec<Finding> {
+    let mut queues = Vec::new();
+    let mut streams = Vec::new();
+    for pipeline in &config.pipelines {
+        match &pipeline.source {
+            SourceConfig::RabbitMq(source) => queues.push((pipeline, source)),
+            SourceConfig::JetStream(source) => streams.push((pipeline, source)),
+        }
+    }
+    let destinations = config
+        .outbox
+        .iter()
+        .flat_map(|outbox| outbox.destinations.values())
+        .filter_map(|destination| match destination {
+            Destination::Amqp { broker, .. } => Some(broker),
+            Destination::Http { .. } => None,
+        });
+    let mut brokers: Vec<&AmqpConfig> = Vec::new();
+    for broker in queues
+        .iter()
+        .map(|(_, source)| &source.broker)
+        .chain(destinations)
+    {
+        if !brokers.contains(&broker) {
+            brokers.push(broker);
+        }
+    }
+    let mut findings = rabbitmq::check::check(&brokers, &queues).await;
+    findings.extend(jetstream::check::check(&streams).await);
+    findings
+}
+
+/// One line of `idem status` about a pipeline's source: what `name` (a queue, a stream)
+/// holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusLine {
+    pub label: &'static str,
+    pub name: String,
+    pub state: String,
+}
+
+/// What `pipeline`'s source holds now, as `idem status` shows it.
+pub async fn status(pipeline: &PipelineConfig) -> Vec<StatusLine> {
+    match &pipeline.source {
+        SourceConfig::RabbitMq(source) => rabbitmq::check::status(source).await,
+        SourceConfig::JetStream(source) => jetstream::check::status(source).await,
+    }
+}
+
+/// The attributes a plain publish to `subject` arrives with on a source of `kind` (as
+/// `message.source` names it), for `idem try` and `idem test`.
+pub fn published_attributes(kind: &str, subject: &str) -> Vec<(String, String)> {
+    match kind {
+        SourceConfig::RABBITMQ => rabbitmq::published_attributes(subject),
+        _ => Vec::new(),
+    }
+}
+
 /// Looks up `pipeline`'s depths with a connection of its own.
 pub async fn depths(pipeline: &PipelineConfig) -> Result<Depths, SourceError> {
     match &pipeline.source {
-        crate::config::SourceConfig::RabbitMq(source) => Ok(rabbitmq::depths(source).await?),
-        crate::config::SourceConfig::JetStream(source) => Ok(jetstream::depths(source).await?),
+        SourceConfig::RabbitMq(source) => Ok(rabbitmq::depths(source).await?),
+        SourceConfig::JetStream(source) => Ok(jetstream::depths(source).await?),
     }
 }
 
@@ -62,10 +151,10 @@ pub async fn pass_dead_letters(
 ) -> Result<u64, SourceError> {
     let _turn = dead_letters::turn(pipeline.dead_letter()).await;
     match &pipeline.source {
-        crate::config::SourceConfig::RabbitMq(source) => {
+        SourceConfig::RabbitMq(source) => {
             Ok(rabbitmq::dead_letters::pass(source, pipeline, selection, action, seen).await?)
         }
-        crate::config::SourceConfig::JetStream(source) => {
+        SourceConfig::JetStream(source) => {
             Ok(jetstream::dead_letters::pass(source, pipeline, selection, action, seen).await?)
         }
     }
@@ -93,6 +182,8 @@ impl SourceError {
 
 /// One pipeline's consumer on its broker.
 pub trait Source: Send + Sized + 'static {
+    /// The source's own settings (`[pipelines.<name>.source]`, resolved).
+    type Config: Clone + Send + Sync + 'static;
     /// A message received and not settled yet.
     type Delivery: Delivery;
     /// The broker's name, for the logs: "RabbitMQ".
@@ -101,6 +192,7 @@ pub trait Source: Send + Sized + 'static {
     /// Connects, makes sure what the pipeline consumes is there as configured, and starts
     /// consuming. `shutdown` ends any wait a settlement would make (a retry's delay).
     fn open(
+        config: &Self::Config,
         pipeline: &PipelineConfig,
         shutdown: &CancellationToken,
     ) -> impl Future<Output = Result<Self, SourceError>> + Send;

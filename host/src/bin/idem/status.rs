@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use idem_host::config::Config;
-use idem_host::source::{jetstream, rabbitmq};
+use idem_host::source;
 use idem_host::store::database;
 use sha2::Digest;
 
@@ -40,38 +40,8 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             "  plugin file   {} ({plugin})",
             pipeline_config.plugin.display()
         );
-        if let Some(source) = jetstream::settings(pipeline_config) {
-            let state = match jetstream::inspect(source).await {
-                Ok(jetstream::Found::StreamMissing) => "not created yet".to_string(),
-                Ok(jetstream::Found::ConsumerMissing { messages }) => {
-                    format!("{messages} messages; consumer not created yet")
-                }
-                Ok(jetstream::Found::Ready {
-                    messages,
-                    pending,
-                    unacknowledged,
-                    dead_letters,
-                }) => format!(
-                    "{messages} messages, {pending} not delivered, {unacknowledged} unacknowledged; dead letters: {}",
-                    dead_letters.map_or("none yet".to_string(), |count| count.to_string())
-                ),
-                Err(error) => format!("unknown ({error})"),
-            };
-            println!("  stream        {:?}: {state}", source.stream);
-        } else if let Ok(queues) = rabbitmq::queues(pipeline_config) {
-            for (label, queue) in [
-                ("queue", &queues.queue),
-                ("dead letters", &queues.dead_letter_queue),
-            ] {
-                let depth = match rabbitmq::queue_depth(&queues.broker, queue).await {
-                    Ok(Some(depth)) => {
-                        format!("{} ready, {} consumers", depth.ready, depth.consumers)
-                    }
-                    Ok(None) => "not declared yet".to_string(),
-                    Err(error) => format!("unknown ({error})"),
-                };
-                println!("  {label:<13} {queue:?}: {depth}");
-            }
+        for line in source::status(pipeline_config).await {
+            println!("  {:<13} {:?}: {}", line.label, line.name, line.state);
         }
         if let Some(pool) = &pool {
             let claims: Result<(i64, Option<f64>), _> = sqlx::query_as(

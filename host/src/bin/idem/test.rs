@@ -6,10 +6,9 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use idem_host::cases::{self, Origin, Trial};
-use idem_host::config::{Config, PluginLimits};
+use idem_host::config::{Config, PluginLimits, SourceConfig};
 use idem_host::pipeline;
 use idem_host::sandbox::PluginRuntime;
-use idem_host::source::rabbitmq;
 
 use crate::trial::{pipeline_named, statements};
 
@@ -111,7 +110,7 @@ async fn test(target: TestTarget, cases_path: &Path) -> anyhow::Result<ExitCode>
         origin: pipeline_config.as_ref().map_or(
             Origin {
                 pipeline: "test",
-                source: rabbitmq::KIND,
+                source: SourceConfig::RABBITMQ,
                 queue: "",
             },
             Origin::of,

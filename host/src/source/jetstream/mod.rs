@@ -20,6 +20,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+pub mod check;
 pub mod dead_letters;
 
 use crate::config::{
@@ -64,14 +65,6 @@ impl JetStreamError {
     /// Whether the operator must change the configuration: retrying cannot help.
     pub fn is_refused(&self) -> bool {
         matches!(self, JetStreamError::Refused { .. })
-    }
-}
-
-/// `pipeline`'s stream settings; `None` for a pipeline with another source.
-pub fn settings(pipeline: &PipelineConfig) -> Option<&JetStreamConfig> {
-    match &pipeline.source {
-        SourceConfig::JetStream(source) => Some(source),
-        _ => None,
     }
 }
 
@@ -235,14 +228,11 @@ impl Drop for Ticker {
 impl Session {
     /// Connects, makes sure the stream, the consumer and the dead-letter stream are there as
     /// configured, and starts pulling.
-    pub async fn open(pipeline: &PipelineConfig, prefetch: u16) -> Result<Session, JetStreamError> {
-        let Some(source) = settings(pipeline) else {
-            return Err(JetStreamError::Refused {
-                subject: format!("pipeline {:?}", pipeline.name),
-                reason: format!("it consumes a {} source", pipeline.source_kind()),
-                setting: format!("pipelines.{}.source.kind", pipeline.name),
-            });
-        };
+    pub async fn open(
+        source: &JetStreamConfig,
+        pipeline: &PipelineConfig,
+        prefetch: u16,
+    ) -> Result<Session, JetStreamError> {
         let client = connect(
             source,
             format!(
@@ -266,7 +256,7 @@ impl Session {
         )
         .await?;
         ensure_dead_letter_stream(&context, source).await?;
-        let consumer = ensure_consumer(&context, source, claim_window(pipeline)).await?;
+        let consumer = ensure_consumer(&context, source, claim_window(source, pipeline)).await?;
         let messages = consumer
             .stream()
             .max_messages_per_batch(usize::from(prefetch).max(1))
@@ -539,8 +529,8 @@ fn wanted(source: &JetStreamConfig) -> pull::Config {
 
 /// How far back a consumer idem creates may start: the claim window with ledger claims
 /// (`start = "window"`), whose claims are deleted past it; `None` for no limit.
-fn claim_window(pipeline: &PipelineConfig) -> Option<Duration> {
-    match (settings(pipeline)?.start, pipeline.claim) {
+fn claim_window(source: &JetStreamConfig, pipeline: &PipelineConfig) -> Option<Duration> {
+    match (source.start, pipeline.claim) {
         (ConsumerStart::Window, ClaimMode::Ledger) => Some(pipeline.retention.window),
         _ => None,
     }
@@ -764,14 +754,16 @@ fn request_error(
 }
 
 impl Source for Session {
+    type Config = JetStreamConfig;
     type Delivery = Received;
     const BROKER: &'static str = "NATS JetStream";
 
     async fn open(
+        source: &JetStreamConfig,
         pipeline: &PipelineConfig,
         _shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
-        Ok(Session::open(pipeline, pipeline.effective_prefetch()).await?)
+        Ok(Session::open(source, pipeline, pipeline.effective_prefetch()).await?)
     }
 
     async fn next(&mut self) -> Result<Received, SourceError> {

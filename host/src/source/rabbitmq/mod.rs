@@ -4,6 +4,7 @@
 //! broker before the original delivery is acked, so a rejected message is never lost.
 
 mod acks;
+pub mod check;
 mod connect;
 pub mod dead_letters;
 pub mod topology;
@@ -28,17 +29,6 @@ use topology::Role;
 use crate::config::{AmqpConfig, PipelineConfig, QueueType, RabbitMqConfig, SourceConfig};
 use crate::message::InboundMessage;
 use crate::source::{self, Delivery, Source, SourceError, headers, unix_seconds};
-
-/// `pipeline`'s queue and dead-letter queue; an error for a pipeline with another source.
-pub fn queues(pipeline: &PipelineConfig) -> Result<&RabbitMqConfig, AmqpError> {
-    match &pipeline.source {
-        SourceConfig::RabbitMq(queues) => Ok(queues),
-        _ => Err(AmqpError::NotRabbitMq {
-            pipeline: pipeline.name.clone(),
-            kind: pipeline.source_kind(),
-        }),
-    }
-}
 
 /// The source kind a plugin sees in `message.source`.
 pub const KIND: &str = SourceConfig::RABBITMQ;
@@ -72,20 +62,12 @@ pub enum AmqpError {
     Publish { queue: String, reason: String },
     #[error("the consumer on {queue:?} ended: {reason}")]
     ConsumerLost { queue: String, reason: String },
-    #[error("pipeline {pipeline:?} consumes a {kind} source, not a RabbitMQ queue")]
-    NotRabbitMq {
-        pipeline: String,
-        kind: &'static str,
-    },
 }
 
 impl AmqpError {
     /// Whether the operator must change the configuration: retrying cannot help.
     pub fn is_refused(&self) -> bool {
-        matches!(
-            self,
-            AmqpError::Refused { .. } | AmqpError::NotRabbitMq { .. }
-        )
+        matches!(self, AmqpError::Refused { .. })
     }
 }
 
@@ -129,10 +111,10 @@ impl Session {
     /// Connects, makes sure the queue and its dead-letter queue are there as configured, and
     /// starts consuming.
     pub async fn open(
+        queues: &RabbitMqConfig,
         pipeline: &PipelineConfig,
         shutdown: &CancellationToken,
     ) -> Result<Session, AmqpError> {
-        let queues = queues(pipeline)?;
         // Named so an operator (or a fault test) can tell which host and queue a
         // connection serves: `idem loyalty on order-completed (pid 4242)`.
         let name = format!(
@@ -234,14 +216,16 @@ impl Session {
 }
 
 impl Source for Session {
+    type Config = RabbitMqConfig;
     type Delivery = Received;
     const BROKER: &'static str = "RabbitMQ";
 
     async fn open(
+        queues: &RabbitMqConfig,
         pipeline: &PipelineConfig,
         shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
-        Ok(Session::open(pipeline, shutdown).await?)
+        Ok(Session::open(queues, pipeline, shutdown).await?)
     }
 
     async fn next(&mut self) -> Result<Received, SourceError> {
@@ -464,14 +448,21 @@ fn inbound_message(
             Some(earlier) => Some(earlier.saturating_add(1)),
             None => counted.then_some(1),
         },
-        attributes: vec![
-            (
-                "exchange".to_string(),
-                delivery.exchange.as_str().to_string(),
-            ),
-            ("routing-key".to_string(), routing_key),
-        ],
+        attributes: attributes(delivery.exchange.as_str(), routing_key),
     }
+}
+
+/// What a plugin sees of how a message was routed: `exchange` and `routing-key`.
+fn attributes(exchange: &str, routing_key: String) -> Vec<(String, String)> {
+    vec![
+        ("exchange".to_string(), exchange.to_string()),
+        ("routing-key".to_string(), routing_key),
+    ]
+}
+
+/// The attributes of a message published to `routing_key` through the default exchange.
+pub fn published_attributes(routing_key: &str) -> Vec<(String, String)> {
+    attributes("", routing_key.to_string())
 }
 
 impl Receipt {
