@@ -14,7 +14,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::backoff::Backoff;
+use crate::backoff::{Backoff, Schedule};
 use crate::failpoint::Failpoint;
 use crate::message::InboundMessage;
 use crate::pipeline::Pipeline;
@@ -241,7 +241,8 @@ async fn tell_broker(
             delivery.dead_letter(error_kind, &reason).await
         }
         Disposition::Retry { attempt, reason } => {
-            let delay = retry_delay(attempt);
+            // `attempt` is the try to come: the first wait is before the second try.
+            let delay = RETRIES.delay(attempt.saturating_sub(1));
             debug!(pipeline = %name, attempt, %reason, delay_ms = delay.as_millis() as u64, "Plugin asked for a retry.");
             delivery.retry(attempt, delay).await
         }
@@ -249,8 +250,6 @@ async fn tell_broker(
     }
 }
 
-/// Delay before a retryable failure is tried again: 200 ms doubling per attempt, at most 10 s.
-fn retry_delay(attempt: u32) -> Duration {
-    let exponent = attempt.saturating_sub(2).min(6);
-    Duration::from_millis(200 * (1u64 << exponent)).min(Duration::from_secs(10))
-}
+/// The waits before a message's retryable failure is tried again: 200 ms before its second
+/// try, doubling per try, at most 10 s.
+const RETRIES: Schedule = Schedule::new(Duration::from_millis(200), Duration::from_secs(10));

@@ -1,6 +1,6 @@
 //! idem turns at-least-once message delivery into exactly-once Postgres effects.
 //!
-//! A pipeline consumes one RabbitMQ queue. Each message goes to a sandboxed WebAssembly
+//! A pipeline consumes one RabbitMQ queue or JetStream stream. Each message goes to a sandboxed WebAssembly
 //! plugin that returns an idempotency key and a list of effects (calls of named SQL
 //! statements). The host inserts the claim and runs the effects in one transaction,
 //! commits, and only then acks. A redelivery finds the claim and changes nothing.
@@ -17,7 +17,9 @@
 //! - [`sandbox`]: the plugin runtime: wasmtime components, a sandbox per message, deadline and
 //!   memory limits, the compile cache.
 //! - [`store`]: PostgreSQL: the transaction ([`store::ledger`]), named statements, sessions,
-//!   whose fault an error is, the outbox, retention and partitions, connecting.
+//!   whose fault an error is, the outbox table, retention and partitions, connecting.
+//! - [`relay`]: the outbox relay, delivering committed outbox rows to HTTP endpoints and AMQP
+//!   exchanges.
 //! - [`http`], [`metrics`]: the HTTP listener (`/metrics`, `/healthz`, `/readyz`,
 //!   `/admin/…`), and the counters every layer records into.
 //! - [`pipeline`]: a pipeline's parts put together (plugin, statements, sessions, pause);
@@ -37,6 +39,7 @@ pub mod message;
 pub mod metrics;
 pub mod pipeline;
 pub mod process;
+pub mod relay;
 pub mod reload;
 pub mod sandbox;
 pub mod source;
@@ -54,11 +57,11 @@ use crate::config::Config;
 use crate::http::HttpError;
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError};
+use crate::relay::RelayWaker;
 use crate::sandbox::{PluginError, PluginRuntime};
 use crate::source::SourceError;
 use crate::store::database::{self, DatabaseError};
-use crate::store::outbox::RelayWaker;
-use crate::store::{outbox, retention};
+use crate::store::retention;
 
 /// Why the host could not start.
 #[derive(Debug, thiserror::Error)]
@@ -74,7 +77,7 @@ pub enum StartError {
     #[error(transparent)]
     Source(#[from] SourceError),
     #[error(transparent)]
-    Destination(#[from] outbox::DestinationError),
+    Destination(#[from] relay::DestinationError),
 }
 
 /// Runs every pipeline of `config` until `shutdown` completes, then drains: stops consuming,
@@ -103,7 +106,7 @@ pub async fn run_with_metrics(
         database::check_schema(&pool, &config.database, config.outbox.is_some()).await?;
         retention::record_consumers(&pool, &config.database, &config.pipelines).await?;
         let runtime = PluginRuntime::for_config(&config)?;
-        let relay = RelayWaker::default();
+        let waker = RelayWaker::default();
         let mut pipelines = Vec::with_capacity(config.pipelines.len());
         for pipeline_config in &config.pipelines {
             let mut pipeline = Pipeline::start(
@@ -113,16 +116,16 @@ pub async fn run_with_metrics(
                 Arc::clone(&metrics),
             )
             .await?;
-            pipeline.relay = relay.clone();
+            pipeline.relay = waker.clone();
             pipelines.push(Arc::new(pipeline));
         }
         if let Some(outbox_config) = config.outbox.as_ref().filter(|outbox| outbox.relay) {
-            outbox::spawn_relay(
+            relay::spawn_relay(
                 outbox_config.clone(),
-                outbox::http_clients(outbox_config)?,
+                relay::http_clients(outbox_config)?,
                 pool.clone(),
                 Arc::clone(&metrics),
-                relay,
+                waker,
                 token.clone(),
             );
         }

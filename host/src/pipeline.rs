@@ -13,9 +13,9 @@ use crate::cases;
 use crate::config::{ClaimMode, Isolation, PipelineConfig};
 use crate::effect::Outcome;
 use crate::metrics::Metrics;
+use crate::relay::RelayWaker;
 use crate::sandbox::{LoadedPlugin, PluginError, PluginRuntime};
 use crate::store::database::Database;
-use crate::store::outbox::RelayWaker;
 use crate::store::session::SessionPool;
 use crate::store::statement::{StatementCatalog, StatementErrors};
 

@@ -1,6 +1,8 @@
 //! The layout ARCHITECTURE.md describes, checked: the modules a message passes through
-//! (`source/`, `sandbox/`, `store/`) never import the layers above them, and no two
-//! top-level modules import each other.
+//! (`source/`, `sandbox/`, `store/`, and the outbox's `relay/`) never import the layers above
+//! them, no two modules of a folder import each other, broker and delivery clients are used
+//! only where messages enter and leave (`source/`, `relay/`), and no function grows past a
+//! screen.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -8,7 +10,7 @@ use std::path::{Path, PathBuf};
 /// The layers that put the lower modules together; the lower ones never import them.
 const UPPER: [&str; 5] = ["consumer", "process", "pipeline", "reload", "cases"];
 /// The lower layers: one folder each.
-const LOWER: [&str; 3] = ["source", "sandbox", "store"];
+const LOWER: [&str; 4] = ["source", "sandbox", "store", "relay"];
 
 fn sources(directory: &Path, found: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(directory).expect("read src") {
@@ -231,6 +233,42 @@ fn no_two_modules_of_one_folder_import_each_other() {
                 "crate::{folder}::{from} and crate::{folder}::{to} import each other ({file}; {back})",
                 folder = folder.join("::")
             ));
+        }
+    }
+    assert!(violations.is_empty(), "{}", violations.join("\n"));
+}
+
+/// The crates that talk to brokers and delivery endpoints.
+const CLIENT_CRATES: [&str; 3] = ["lapin", "async_nats", "reqwest"];
+
+/// `lapin`, `async_nats` and `reqwest` appear only in `source/` (each kind's client, and
+/// `config/source/`'s check of a broker URL) and `relay/` (the outbox's deliveries): the
+/// store, the sandbox, the consume loop and the command line name no client.
+#[test]
+fn broker_clients_stay_in_source_and_relay() {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&source, &mut files);
+    sources(&source.join("bin"), &mut files);
+    let mut violations = Vec::new();
+    for file in &files {
+        let relative = file.strip_prefix(&source).expect("under src");
+        let allowed = relative
+            .components()
+            .any(|component| matches!(component.as_os_str().to_str(), Some("source" | "relay")));
+        if allowed {
+            continue;
+        }
+        let text = std::fs::read_to_string(file).expect("read");
+        for (number, line) in text.lines().enumerate() {
+            if line.trim_start().starts_with("//") {
+                continue;
+            }
+            for client in CLIENT_CRATES {
+                if line.contains(&format!("{client}::")) {
+                    violations.push(format!("{}:{}: {client}", file.display(), number + 1));
+                }
+            }
         }
     }
     assert!(violations.is_empty(), "{}", violations.join("\n"));

@@ -1,31 +1,17 @@
-//! The transactional outbox (the guide's Step 6): a plugin's `outbox` effect becomes a row of
-//! `idem_outbox` written in the message's transaction, and a relay delivers pending rows to
-//! their destination (an AMQP exchange with publisher confirms, or an HTTP endpoint with an
-//! `Idempotency-Key` header).
+//! The transactional outbox's table (the guide's Step 6): a plugin's `outbox` effect becomes
+//! a row of `idem_outbox` written in the message's transaction (`ledger`); the relay
+//! (`crate::relay`) takes pending rows and records each attempt here; operators list and
+//! unpark them.
 //!
-//! Architecture invariant: a row exists only if its message's transaction committed, and a
-//! row is marked delivered only after its destination confirmed. Delivery is at least once:
-//! a relay that dies between the destination's confirmation and its own commit delivers the
-//! row again, with the same idempotency key, so the destination can drop the repeat.
+//! Architecture invariant: a row exists only if its message's transaction committed.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::num::NonZeroU32;
 use std::time::Duration;
 
-use lapin::Confirmation;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Connection};
-use sqlx::{PgPool, Row};
-use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use sqlx::{PgPool, Postgres, Row, Transaction};
 
-use crate::backoff::Backoff;
-use crate::config::{AmqpConfig, Destination, OutboxConfig, redact_url};
+use crate::config::OutboxConfig;
 use crate::effect::OutboxMessage;
-use crate::metrics::Metrics;
-use crate::source::rabbitmq;
 
 /// Rows of one message's outbox effects, checked against the configured destinations.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,388 +97,100 @@ impl OutboxRow {
     }
 }
 
-/// Wakes the relay when this host committed outbox rows, so it need not wait for its poll.
-#[derive(Debug, Clone, Default)]
-pub struct RelayWaker(Arc<Notify>);
-
-impl RelayWaker {
-    pub fn wake(&self) {
-        self.0.notify_one();
-    }
-}
-
 /// One pending row as the relay took it.
-struct Pending {
+#[derive(Debug, Clone)]
+pub struct Taken {
+    pub id: i64,
+    pub destination: String,
+    pub idempotency_key: String,
+    pub payload: Vec<u8>,
+    pub headers: Vec<(String, String)>,
+    /// Attempts made before this one.
+    pub attempts: i32,
+}
+
+/// How one attempt at a row ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Attempt {
+    /// The destination confirmed it.
+    Delivered,
+    /// It did not: try again after `retry_in`, or never again (`park`) until an operator
+    /// unparks it.
+    Failed {
+        error: String,
+        retry_in: Duration,
+        park: bool,
+    },
+}
+
+/// Opens the relay's transaction and takes up to `batch` pending rows that are due, skipping
+/// rows another relay holds. The transaction idles while destinations answer (up to their
+/// timeout per row), so the host sessions' idle-in-transaction limit does not apply to it;
+/// the server's keepalives still end it if this host vanishes.
+pub async fn take(
+    pool: &PgPool,
+    batch: NonZeroU32,
+) -> Result<(Transaction<'static, Postgres>, Vec<Taken>), sqlx::Error> {
+    let mut transaction = pool
+        .begin_with("BEGIN; SET LOCAL idle_in_transaction_session_timeout = 0")
+        .await?;
+    let rows = sqlx::query(TAKE_SQL)
+        .bind(i64::from(batch.get()))
+        .fetch_all(&mut *transaction)
+        .await?;
+    let mut taken = Vec::with_capacity(rows.len());
+    for row in rows {
+        let headers: serde_json::Value = row.try_get("headers")?;
+        taken.push(Taken {
+            id: row.try_get("id")?,
+            destination: row.try_get("destination")?,
+            idempotency_key: row.try_get("idempotency_key")?,
+            payload: row.try_get("payload")?,
+            headers: headers
+                .as_object()
+                .map(|object| {
+                    object
+                        .iter()
+                        .map(|(name, value)| {
+                            (name.clone(), value.as_str().unwrap_or_default().to_string())
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            attempts: row.try_get("attempts")?,
+        });
+    }
+    Ok((transaction, taken))
+}
+
+/// Records how an attempt at row `id` ended, in the relay's transaction.
+pub async fn record(
+    transaction: &mut Transaction<'static, Postgres>,
     id: i64,
-    destination: String,
-    idempotency_key: String,
-    payload: Vec<u8>,
-    headers: Vec<(String, String)>,
-    attempts: i32,
-}
-
-/// A destination's settings that cannot work: the host does not start.
-#[derive(Debug, thiserror::Error)]
-#[error("outbox.destinations.{destination}.{key}: {reason}")]
-pub struct DestinationError {
-    destination: String,
-    key: &'static str,
-    reason: String,
-}
-
-/// One HTTP client per HTTP destination, trusting the destination's `ca_file` alone when it
-/// has one (the system's roots otherwise).
-pub fn http_clients(
-    config: &OutboxConfig,
-) -> Result<BTreeMap<String, reqwest::Client>, DestinationError> {
-    let mut clients = BTreeMap::new();
-    for (name, destination) in &config.destinations {
-        let Destination::Http { ca_file, .. } = destination else {
-            continue;
-        };
-        let failed = |key, reason: String| DestinationError {
-            destination: name.clone(),
-            key,
-            reason,
-        };
-        // A redirect is not a delivery: following it would turn the POST into a GET to
-        // somewhere else (a login page) and read its 200 as a confirmation. A 3xx is a
-        // failed attempt, with the Location in the row's last error.
-        let mut builder = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none());
-        if let Some(ca_file) = ca_file {
-            let pem = std::fs::read(ca_file).map_err(|error| {
-                failed(
-                    "ca_file",
-                    format!("cannot read {}: {error}", ca_file.display()),
-                )
-            })?;
-            let authorities = reqwest::Certificate::from_pem_bundle(&pem)
-                .ok()
-                .filter(|authorities| !authorities.is_empty())
-                .ok_or_else(|| {
-                    failed(
-                        "ca_file",
-                        format!("{} holds no PEM certificate", ca_file.display()),
-                    )
-                })?;
-            builder = builder.tls_certs_only(authorities);
+    attempt: &Attempt,
+) -> Result<(), sqlx::Error> {
+    match attempt {
+        Attempt::Delivered => {
+            sqlx::query(DELIVERED_SQL)
+                .bind(id)
+                .execute(&mut **transaction)
+                .await?;
         }
-        let client = builder
-            .build()
-            .map_err(|error| failed("url", error_chain(&error)))?;
-        clients.insert(name.clone(), client);
-    }
-    Ok(clients)
-}
-
-/// Delivers pending rows until `shutdown`; several hosts may run it on the same database.
-pub fn spawn_relay(
-    config: OutboxConfig,
-    http: BTreeMap<String, reqwest::Client>,
-    pool: PgPool,
-    metrics: Arc<Metrics>,
-    waker: RelayWaker,
-    shutdown: CancellationToken,
-) {
-    tokio::spawn(async move {
-        let mut relay = Relay {
-            config,
-            pool,
-            metrics,
-            http,
-            amqp: None,
-        };
-        info!(
-            destinations = relay.config.destinations.len(),
-            "Outbox relay started."
-        );
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
-        let mut last_clean = tokio::time::Instant::now();
-        loop {
-            let pause = match relay.pass().await {
-                Ok(taken) if taken > 0 => {
-                    backoff.reset();
-                    None
-                }
-                Ok(_) => {
-                    backoff.reset();
-                    Some(relay.config.poll)
-                }
-                Err(error) => {
-                    let delay = backoff.next_delay();
-                    warn!(%error, retry_in_ms = delay.as_millis() as u64, "Outbox relay cannot reach PostgreSQL; retrying.");
-                    Some(delay)
-                }
-            };
-            if last_clean.elapsed() >= CLEAN_EVERY {
-                last_clean = tokio::time::Instant::now();
-                match clean(&relay.pool, relay.config.retention).await {
-                    Ok(deleted) if deleted > 0 => {
-                        info!(deleted, "Outbox: delivered rows past retention removed.");
-                    }
-                    Ok(_) => {}
-                    Err(error) => warn!(%error, "Outbox cleaning failed; will try again."),
-                }
-            }
-            if let Some(pause) = pause {
-                tokio::select! {
-                    () = tokio::time::sleep(pause) => {}
-                    () = waker.0.notified() => {}
-                    () = shutdown.cancelled() => break,
-                }
-            }
-            if shutdown.is_cancelled() {
-                break;
-            }
-        }
-        if let Some((_, connection, _)) = relay.amqp.take() {
-            let _ = connection.close(200, "idem relay stopping".into()).await;
-        }
-        debug!("Outbox relay stopped.");
-    });
-}
-
-/// How often the relay deletes delivered rows past the retention window.
-const CLEAN_EVERY: Duration = Duration::from_secs(600);
-
-struct Relay {
-    config: OutboxConfig,
-    pool: PgPool,
-    metrics: Arc<Metrics>,
-    /// By destination name.
-    http: BTreeMap<String, reqwest::Client>,
-    /// The connection to the broker of AMQP destinations, once one was used.
-    amqp: Option<(AmqpConfig, Connection, Channel)>,
-}
-
-impl Relay {
-    /// Takes one batch, delivers it, records the results, commits. Returns the rows taken.
-    async fn pass(&mut self) -> Result<usize, sqlx::Error> {
-        // The transaction idles while a destination answers (up to its timeout per row), so
-        // the host sessions' idle-in-transaction limit does not apply to it; the server's
-        // keepalives still end it if this host vanishes.
-        let mut transaction = self
-            .pool
-            .begin_with("BEGIN; SET LOCAL idle_in_transaction_session_timeout = 0")
-            .await?;
-        let rows = sqlx::query(TAKE_SQL)
-            .bind(i64::from(self.config.batch_size.get()))
-            .fetch_all(&mut *transaction)
-            .await?;
-        let mut pending = Vec::with_capacity(rows.len());
-        for row in rows {
-            let headers: serde_json::Value = row.try_get("headers")?;
-            pending.push(Pending {
-                id: row.try_get("id")?,
-                destination: row.try_get("destination")?,
-                idempotency_key: row.try_get("idempotency_key")?,
-                payload: row.try_get("payload")?,
-                headers: headers
-                    .as_object()
-                    .map(|object| {
-                        object
-                            .iter()
-                            .map(|(name, value)| {
-                                (name.clone(), value.as_str().unwrap_or_default().to_string())
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default(),
-                attempts: row.try_get("attempts")?,
-            });
-        }
-        for row in &pending {
-            let result = self.deliver(row).await;
-            match result {
-                Ok(()) => {
-                    sqlx::query(DELIVERED_SQL)
-                        .bind(row.id)
-                        .execute(&mut *transaction)
-                        .await?;
-                    self.metrics.outbox_delivered(&row.destination, "delivered");
-                }
-                Err(error) => {
-                    let attempts = u32::try_from(row.attempts).unwrap_or(0) + 1;
-                    let park = attempts >= self.config.max_attempts.get();
-                    let delay = retry_delay(attempts);
-                    if park {
-                        warn!(id = row.id, destination = %row.destination, key = %row.idempotency_key, attempts, %error, "Outbox row parked after its last attempt.");
-                    } else {
-                        debug!(id = row.id, destination = %row.destination, attempts, %error, "Outbox delivery failed; will retry.");
-                    }
-                    sqlx::query(FAILED_SQL)
-                        .bind(row.id)
-                        .bind(&error)
-                        .bind(delay.as_secs_f64())
-                        .bind(park)
-                        .execute(&mut *transaction)
-                        .await?;
-                    self.metrics
-                        .outbox_delivered(&row.destination, if park { "parked" } else { "failed" });
-                }
-            }
-        }
-        transaction.commit().await?;
-        Ok(pending.len())
-    }
-
-    /// Hands one row to its destination; `Ok` only once the destination confirmed it.
-    async fn deliver(&mut self, row: &Pending) -> Result<(), String> {
-        let Some(destination) = self.config.destinations.get(&row.destination).cloned() else {
-            return Err(format!(
-                "destination {:?} is not configured in [outbox.destinations]",
-                row.destination
-            ));
-        };
-        match destination {
-            Destination::Http { url, timeout, .. } => {
-                let client = self.http.get(&row.destination).ok_or_else(|| {
-                    format!("destination {:?} has no HTTP client", row.destination)
-                })?;
-                let mut request = client
-                    .post(&url)
-                    .timeout(timeout)
-                    .header("Idempotency-Key", &row.idempotency_key);
-                let has_content_type = row
-                    .headers
-                    .iter()
-                    .any(|(name, _)| name.eq_ignore_ascii_case("content-type"));
-                if !has_content_type {
-                    request = request.header("Content-Type", "application/octet-stream");
-                }
-                for (name, value) in &row.headers {
-                    request = request.header(name, value);
-                }
-                let response = request
-                    .body(row.payload.clone())
-                    .send()
-                    .await
-                    .map_err(|error| {
-                        format!("POST {}: {}", redact_url(&url), error_chain(&error))
-                    })?;
-                if response.status().is_success() {
-                    Ok(())
-                } else if response.status().is_redirection() {
-                    let location = response
-                        .headers()
-                        .get(reqwest::header::LOCATION)
-                        .and_then(|location| location.to_str().ok())
-                        .unwrap_or("no Location");
-                    Err(format!(
-                        "POST {} answered {} (to {}): a redirect is not a delivery; point the destination's url at the final endpoint",
-                        redact_url(&url),
-                        response.status(),
-                        redact_url(location)
-                    ))
-                } else {
-                    Err(format!(
-                        "POST {} answered {}",
-                        redact_url(&url),
-                        response.status()
-                    ))
-                }
-            }
-            Destination::Amqp {
-                broker,
-                exchange,
-                routing_key,
-            } => {
-                let channel = self.amqp_channel(&broker).await?;
-                let mut headers = FieldTable::default();
-                for (name, value) in &row.headers {
-                    headers.insert(
-                        ShortString::from(name.as_str()),
-                        AMQPValue::LongString(value.as_str().into()),
-                    );
-                }
-                headers.insert(
-                    "idempotency-key".into(),
-                    AMQPValue::LongString(row.idempotency_key.as_str().into()),
-                );
-                let properties = BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_message_id(row.idempotency_key.as_str().into())
-                    .with_headers(headers);
-                let published = async {
-                    channel
-                        .basic_publish(
-                            exchange.as_str().into(),
-                            routing_key.as_str().into(),
-                            BasicPublishOptions {
-                                mandatory: true,
-                                ..BasicPublishOptions::default()
-                            },
-                            &row.payload,
-                            properties,
-                        )
-                        .await?
-                        .await
-                }
-                .await;
-                match published {
-                    Ok(Confirmation::Ack(None)) => Ok(()),
-                    Ok(Confirmation::Ack(Some(_returned))) => Err(format!(
-                        "exchange {exchange:?} routed the message to no queue (routing key {routing_key:?})"
-                    )),
-                    Ok(other) => Err(format!(
-                        "broker refused the message on {exchange:?}: {other:?}"
-                    )),
-                    Err(error) => {
-                        self.amqp = None;
-                        Err(format!("publish to exchange {exchange:?}: {error}"))
-                    }
-                }
-            }
+        Attempt::Failed {
+            error,
+            retry_in,
+            park,
+        } => {
+            sqlx::query(FAILED_SQL)
+                .bind(id)
+                .bind(error)
+                .bind(retry_in.as_secs_f64())
+                .bind(park)
+                .execute(&mut **transaction)
+                .await?;
         }
     }
-
-    /// A channel with publisher confirms on `broker`: the one open, or a new one.
-    async fn amqp_channel(&mut self, broker: &AmqpConfig) -> Result<Channel, String> {
-        if let Some((open_on, connection, channel)) = &self.amqp
-            && open_on == broker
-            && connection.status().connected()
-            && channel.status().connected()
-        {
-            return Ok(channel.clone());
-        }
-        if let Some((_, connection, _)) = self.amqp.take() {
-            let _ = connection
-                .close(200, "idem relay changes broker".into())
-                .await;
-        }
-        let (connection, channel) = rabbitmq::connect_channel(broker, "outbox relay")
-            .await
-            .map_err(|error| error.to_string())?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|error| format!("enable publisher confirms for the outbox: {error}"))?;
-        self.amqp = Some((broker.clone(), connection, channel.clone()));
-        Ok(channel)
-    }
-}
-
-/// An error with its causes, which for a TLS failure name the certificate problem.
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
-}
-
-/// Seconds until attempt `attempts + 1`: 1 s doubling to 5 minutes.
-fn retry_delay(attempts: u32) -> Duration {
-    let factor = 1u64
-        .checked_shl(attempts.saturating_sub(1).min(16))
-        .unwrap_or(u64::MAX);
-    Duration::from_secs(factor).min(Duration::from_secs(300))
+    Ok(())
 }
 
 /// Deletes delivered rows older than `retention`, in batches. Returns the rows deleted.
@@ -605,17 +303,4 @@ pub async fn retry_parked(
     .bind(id)
     .fetch_all(pool)
     .await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn retry_delay_doubles_then_caps() {
-        assert_eq!(retry_delay(1), Duration::from_secs(1));
-        assert_eq!(retry_delay(2), Duration::from_secs(2));
-        assert_eq!(retry_delay(5), Duration::from_secs(16));
-        assert_eq!(retry_delay(30), Duration::from_secs(300));
-    }
 }

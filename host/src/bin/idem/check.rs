@@ -35,7 +35,7 @@ async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
     let runtime = PluginRuntime::for_config(&config)?;
     let mut problems = Vec::new();
     if let Some(outbox) = &config.outbox
-        && let Err(error) = idem_host::store::outbox::http_clients(outbox)
+        && let Err(error) = idem_host::relay::http_clients(outbox)
     {
         problems.push(error.to_string());
     }

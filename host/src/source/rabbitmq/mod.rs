@@ -7,6 +7,7 @@ mod acks;
 pub mod check;
 mod connect;
 pub mod dead_letters;
+pub mod publish;
 pub mod topology;
 
 use std::sync::Arc;
@@ -16,8 +17,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, Consumer};
@@ -588,33 +588,16 @@ impl Receipt {
         // One mandatory copy in flight at a time: a returned (unroutable) message then
         // belongs to the one publish awaiting its confirm, never to another worker's.
         let _one_copy_at_a_time = COPY_PUBLISH.lock().await;
-        let confirm = channel
-            .basic_publish(
-                ShortString::from(""),
-                ShortString::from(queue),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &self.body,
-                properties,
-            )
+        publish::confirmed(channel, "", queue, &self.body, properties)
             .await
-            .map_err(|error| publish_error(error.to_string()))?
-            .await
-            .map_err(|error| publish_error(error.to_string()))?;
-        match confirm {
-            lapin::Confirmation::Ack(None) => Ok(()),
-            lapin::Confirmation::Ack(Some(_returned)) => Err(publish_error(
-                "the queue does not exist (message returned)".into(),
-            )),
-            lapin::Confirmation::Nack(_) => {
-                Err(publish_error("the broker refused the message".into()))
-            }
-            lapin::Confirmation::NotRequested => {
-                Err(publish_error("publisher confirms are off".into()))
-            }
-        }
+            .map_err(|unconfirmed| {
+                publish_error(match unconfirmed {
+                    publish::Unconfirmed::Returned => {
+                        "the queue does not exist (message returned)".into()
+                    }
+                    other => other.to_string(),
+                })
+            })
     }
 }
 

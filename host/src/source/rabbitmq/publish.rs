@@ -1,0 +1,57 @@
+//! The one way idem publishes to RabbitMQ: persistent, `mandatory`, on a channel in confirm
+//! mode, and done only when the broker confirmed it. Copies of deliveries (retries, dead
+//! letters, replays) and the outbox relay's messages all go through [`confirmed`].
+
+use lapin::options::BasicPublishOptions;
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Channel, Confirmation};
+
+/// Why a publish was not confirmed.
+#[derive(Debug, thiserror::Error)]
+pub enum Unconfirmed {
+    /// The channel or the connection failed before the broker answered.
+    #[error("{0}")]
+    Channel(#[from] lapin::Error),
+    /// The broker routed the message to no queue and returned it.
+    #[error("routed to no queue (the message came back)")]
+    Returned,
+    /// The broker refused to store it (`basic.nack`).
+    #[error("the broker refused the message")]
+    Refused,
+    /// The channel is not in confirm mode: nothing says the message was stored.
+    #[error("publisher confirms are off")]
+    NotConfirmed,
+}
+
+/// Publishes `body` with `properties` to `exchange` (`""`, the default exchange, routes by
+/// queue name) under `routing_key`, `mandatory`, and waits for the broker's confirm.
+///
+/// Only one mandatory publish may wait on a channel at a time: a returned message belongs to
+/// the one publish awaiting its confirm.
+pub async fn confirmed(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    properties: BasicProperties,
+) -> Result<(), Unconfirmed> {
+    let confirm = channel
+        .basic_publish(
+            ShortString::from(exchange),
+            ShortString::from(routing_key),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            body,
+            properties,
+        )
+        .await?
+        .await?;
+    match confirm {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(_returned)) => Err(Unconfirmed::Returned),
+        Confirmation::Nack(_) => Err(Unconfirmed::Refused),
+        Confirmation::NotRequested => Err(Unconfirmed::NotConfirmed),
+    }
+}
