@@ -98,82 +98,7 @@ pub async fn run_with_metrics(
 ) -> Result<(), StartError> {
     let token = CancellationToken::new();
     let trigger = token.clone();
-    let serving = async {
-        let Some(database) = database::connect(&config.database, &token).await? else {
-            return Ok(());
-        };
-        let pool = database.pool.clone();
-        database::check_schema(&pool, &config.database, config.outbox.is_some()).await?;
-        retention::record_consumers(&pool, &config.database, &config.pipelines).await?;
-        let runtime = PluginRuntime::for_config(&config)?;
-        let waker = RelayWaker::default();
-        let mut pipelines = Vec::with_capacity(config.pipelines.len());
-        for pipeline_config in &config.pipelines {
-            let mut pipeline = Pipeline::start(
-                pipeline_config.clone(),
-                runtime.clone(),
-                &database,
-                Arc::clone(&metrics),
-            )
-            .await?;
-            pipeline.relay = waker.clone();
-            pipelines.push(Arc::new(pipeline));
-        }
-        if let Some(outbox_config) = config.outbox.as_ref().filter(|outbox| outbox.relay) {
-            relay::spawn_relay(
-                outbox_config.clone(),
-                relay::http_clients(outbox_config)?,
-                pool.clone(),
-                Arc::clone(&metrics),
-                waker,
-                token.clone(),
-            );
-        }
-        let http = match &config.http {
-            Some(http_config) => Some(
-                http::serve(
-                    http_config,
-                    pipelines.clone(),
-                    Arc::clone(&metrics),
-                    pool.clone(),
-                    token.clone(),
-                )
-                .await?,
-            ),
-            None => None,
-        };
-        reload::spawn_watcher(pipelines.clone(), token.clone());
-        reload::spawn_sighup_listener(pipelines.clone(), token.clone());
-        retention::spawn_cleaner(
-            &config.pipelines,
-            pool.clone(),
-            Arc::clone(&metrics),
-            token.clone(),
-        );
-        let mut consumers = JoinSet::new();
-        for pipeline in &pipelines {
-            let pipeline = Arc::clone(pipeline);
-            consumers.spawn(consumer::consume_pipeline(pipeline, token.clone()));
-        }
-        info!(pipelines = pipelines.len(), "idem is running.");
-        let mut refused = None;
-        while let Some(ended) = consumers.join_next().await {
-            if let Ok(Err(error)) = ended {
-                // A refusal no retry can fix: stop every pipeline and say which setting.
-                token.cancel();
-                refused.get_or_insert(error);
-            }
-        }
-        if let Some(http) = http {
-            let _ = http.await;
-        }
-        database.sessions.close_idle();
-        pool.close().await;
-        match refused {
-            Some(error) => Err(error.into()),
-            None => Ok(()),
-        }
-    };
+    let serving = serve(&config, metrics, &token);
     tokio::pin!(serving);
     tokio::select! {
         result = &mut serving => {
@@ -189,4 +114,90 @@ pub async fn run_with_metrics(
             result
         }
     }
+}
+
+/// Connects, starts every pipeline and what serves them, and consumes until `token` is
+/// cancelled or a source is refused.
+async fn serve(
+    config: &Config,
+    metrics: Arc<Metrics>,
+    token: &CancellationToken,
+) -> Result<(), StartError> {
+    let Some(database) = database::connect(&config.database, token).await? else {
+        return Ok(());
+    };
+    let pool = database.pool.clone();
+    database::check_schema(&pool, &config.database, config.outbox.is_some()).await?;
+    retention::record_consumers(&pool, &config.database, &config.pipelines).await?;
+    let runtime = PluginRuntime::for_config(config)?;
+    let waker = RelayWaker::default();
+    let mut pipelines = Vec::with_capacity(config.pipelines.len());
+    for pipeline_config in &config.pipelines {
+        let mut pipeline = Pipeline::start(
+            pipeline_config.clone(),
+            runtime.clone(),
+            &database,
+            Arc::clone(&metrics),
+        )
+        .await?;
+        pipeline.relay = waker.clone();
+        pipelines.push(Arc::new(pipeline));
+    }
+    if let Some(outbox_config) = config.outbox.as_ref().filter(|outbox| outbox.relay) {
+        relay::spawn_relay(
+            outbox_config.clone(),
+            relay::http_clients(outbox_config)?,
+            pool.clone(),
+            Arc::clone(&metrics),
+            waker,
+            token.clone(),
+        );
+    }
+    let http = match &config.http {
+        Some(http_config) => Some(
+            http::serve(
+                http_config,
+                pipelines.clone(),
+                Arc::clone(&metrics),
+                pool.clone(),
+                token.clone(),
+            )
+            .await?,
+        ),
+        None => None,
+    };
+    reload::spawn_watcher(pipelines.clone(), token.clone());
+    reload::spawn_sighup_listener(pipelines.clone(), token.clone());
+    retention::spawn_cleaner(&config.pipelines, pool.clone(), metrics, token.clone());
+    let refused = consume(&pipelines, token).await;
+    if let Some(http) = http {
+        let _ = http.await;
+    }
+    database.sessions.close_idle();
+    pool.close().await;
+    match refused {
+        Some(error) => Err(error.into()),
+        None => Ok(()),
+    }
+}
+
+/// Consumes every pipeline until each consumer ended; the first refusal (no retry can fix
+/// it) stops them all and is returned, to name its setting.
+async fn consume(pipelines: &[Arc<Pipeline>], token: &CancellationToken) -> Option<SourceError> {
+    let mut consumers = JoinSet::new();
+    for pipeline in pipelines {
+        consumers.spawn(consumer::consume_pipeline(
+            Arc::clone(pipeline),
+            token.clone(),
+        ));
+    }
+    info!(pipelines = pipelines.len(), "idem is running.");
+    let mut refused = None;
+    while let Some(ended) = consumers.join_next().await {
+        if let Ok(Err(error)) = ended {
+            token.cancel();
+            refused.get_or_insert(error);
+        }
+    }
+    refused
 }

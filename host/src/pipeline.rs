@@ -309,18 +309,11 @@ pub async fn load_plugin(
     runtime: &PluginRuntime,
     config: &PipelineConfig,
 ) -> Result<LoadedPlugin, PipelineError> {
-    let path = config.plugin.clone();
-    let compiling_runtime = runtime.clone();
-    let loaded = tokio::task::spawn_blocking(move || compiling_runtime.load(&path))
+    runtime
+        .compile(&config.plugin, None)
         .await
-        .unwrap_or_else(|join_error| {
-            Err(PluginError::Invalid {
-                path: config.plugin.clone(),
-                reason: format!("compilation crashed: {join_error}"),
-            })
-        });
-    loaded.map_err(|source| PipelineError::Plugin {
-        pipeline: config.name.clone(),
-        source,
-    })
+        .map_err(|source| PipelineError::Plugin {
+            pipeline: config.name.clone(),
+            source,
+        })
 }

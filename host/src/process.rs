@@ -16,7 +16,7 @@ use crate::message::InboundMessage;
 use crate::pipeline::{Paused, Pipeline};
 use crate::sandbox::{LoadedPlugin, PluginError};
 use crate::store::fault;
-use crate::store::ledger::{self, ClaimOutcome, LedgerError, Plan};
+use crate::store::ledger::{self, BatchItem, ClaimOutcome, LedgerError, Plan};
 
 /// Longest idempotency key accepted; longer keys would not fit the claim's btree index.
 pub const MAX_KEY_BYTES: usize = 1024;
@@ -163,39 +163,7 @@ pub async fn handle_batch(
         }
         if !planned.is_empty() {
             let plans: Vec<&Plan<'_>> = planned.iter().map(|(_, plan)| plan).collect();
-            let _one_batch_at_a_time = if plans.len() > 1 {
-                Some(pipeline.batch_applier.lock().await)
-            } else {
-                None
-            };
-            let mut retries = Retries::new(pipeline, shutdown);
-            let applied = loop {
-                let started = Instant::now();
-                let result =
-                    ledger::apply_batch(&pipeline.sessions, &pipeline.config.transaction, &plans)
-                        .await;
-                pipeline
-                    .metrics
-                    .transaction_finished(pipeline.name(), started.elapsed());
-                match result {
-                    Ok(items) => {
-                        retries.succeeded();
-                        break Ok(Some(items));
-                    }
-                    Err(error) if error.is_retried() => {
-                        if let Some(give_up) = retries.failed(plans[0].key, &error).await {
-                            break Err(give_up);
-                        }
-                    }
-                    // COMMIT itself refused the batch (a deferred constraint): nothing was
-                    // applied, and only one message at a time can tell whose fault it is.
-                    Err(_) => {
-                        retries.succeeded();
-                        break Ok(None);
-                    }
-                }
-            };
-            match applied {
+            match apply_together(pipeline, &plans, shutdown).await {
                 Ok(Some(items)) => {
                     for ((index, plan), item) in planned.iter().zip(items) {
                         let disposition = disposition_of(item);
@@ -222,6 +190,46 @@ pub async fn handle_batch(
     }
     .instrument(span)
     .await
+}
+
+/// Applies `plans` in one transaction, retrying what the database's state caused. `Ok(None)`
+/// when `COMMIT` itself refused the batch (a deferred constraint): nothing was applied, and
+/// only one message at a time can tell whose fault it is. `Err` is the disposition of every
+/// message when the retries gave up.
+async fn apply_together(
+    pipeline: &Pipeline,
+    plans: &[&Plan<'_>],
+    shutdown: &CancellationToken,
+) -> Result<Option<Vec<BatchItem>>, Disposition> {
+    let _one_batch_at_a_time = if plans.len() > 1 {
+        Some(pipeline.batch_applier.lock().await)
+    } else {
+        None
+    };
+    let mut retries = Retries::new(pipeline, shutdown);
+    loop {
+        let started = Instant::now();
+        let result =
+            ledger::apply_batch(&pipeline.sessions, &pipeline.config.transaction, plans).await;
+        pipeline
+            .metrics
+            .transaction_finished(pipeline.name(), started.elapsed());
+        match result {
+            Ok(items) => {
+                retries.succeeded();
+                return Ok(Some(items));
+            }
+            Err(error) if error.is_retried() => {
+                if let Some(give_up) = retries.failed(plans[0].key, &error).await {
+                    return Err(give_up);
+                }
+            }
+            Err(_) => {
+                retries.succeeded();
+                return Ok(None);
+            }
+        }
+    }
 }
 
 /// A message after its plugin ran.

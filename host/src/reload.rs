@@ -11,13 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use notify::{RecursiveMode, Watcher};
-use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::pipeline::{self, Pipeline, PipelineError};
-use crate::sandbox::PluginError;
+use crate::sandbox::{self, PluginError};
 
 /// How long the watcher waits for a file to stop changing before reloading it.
 const SETTLE: Duration = Duration::from_millis(150);
@@ -74,20 +73,14 @@ async fn load_and_swap(pipeline: &Pipeline) -> Result<Reloaded, PipelineError> {
         })
     })?;
     let current = pipeline.plugin.load_full();
-    let digest = format!("sha256:{:x}", Sha256::digest(&bytes));
+    let digest = sandbox::digest(&bytes);
     if digest == current.digest {
         return Ok(Reloaded::Unchanged { digest });
     }
-    let runtime = pipeline.runtime.clone();
-    let path = config.plugin.clone();
-    let loaded = tokio::task::spawn_blocking(move || runtime.load_bytes(&path, &bytes))
+    let loaded = pipeline
+        .runtime
+        .compile(&config.plugin, Some(bytes))
         .await
-        .unwrap_or_else(|join_error| {
-            Err(PluginError::Invalid {
-                path: config.plugin.clone(),
-                reason: format!("compilation crashed: {join_error}"),
-            })
-        })
         .map_err(plugin_error)?;
     pipeline::self_test(&pipeline.runtime, config, &pipeline.statements, &loaded).await?;
     let to = loaded.digest.clone();

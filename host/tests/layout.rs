@@ -273,3 +273,51 @@ fn broker_clients_stay_in_source_and_relay() {
     }
     assert!(violations.is_empty(), "{}", violations.join("\n"));
 }
+
+/// Lines a function of the host may span, signature and closing brace included.
+const FUNCTION_LINES: usize = 80;
+
+/// No function of the host (tests aside) runs past [`FUNCTION_LINES`]: a longer one is split
+/// into steps that each have a name.
+#[test]
+fn no_function_is_longer_than_a_screen() {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&source, &mut files);
+    sources(&source.join("bin"), &mut files);
+    let mut violations = Vec::new();
+    for file in &files {
+        if file.file_name().is_some_and(|name| name == "tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(file).expect("read");
+        // Unit tests sit at the end of a file, after `#[cfg(test)]`.
+        let code = text.split("\n#[cfg(test)]").next().unwrap_or_default();
+        let lines: Vec<&str> = code.lines().collect();
+        for (start, line) in lines.iter().enumerate() {
+            let trimmed = line.trim_start();
+            let indent = &line[..line.len() - trimmed.len()];
+            let is_fn = ["fn ", "pub fn ", "async fn ", "pub async fn ", "const fn "]
+                .iter()
+                .chain(&["pub const fn ", "pub(crate) fn ", "pub(super) fn "])
+                .chain(&["pub(crate) async fn ", "pub(super) async fn "])
+                .any(|prefix| trimmed.starts_with(prefix));
+            if !is_fn || trimmed.ends_with(';') {
+                continue;
+            }
+            let closing = format!("{indent}}}");
+            let Some(length) = lines[start..].iter().position(|line| *line == closing) else {
+                continue;
+            };
+            if length + 1 > FUNCTION_LINES {
+                violations.push(format!(
+                    "{}:{}: {} lines",
+                    file.display(),
+                    start + 1,
+                    length + 1
+                ));
+            }
+        }
+    }
+    assert!(violations.is_empty(), "{}", violations.join("\n"));
+}

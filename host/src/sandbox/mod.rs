@@ -96,6 +96,15 @@ pub enum PluginError {
     InvalidOutput { reason: String },
 }
 
+/// How a build's digest starts.
+const DIGEST_PREFIX: &str = "sha256:";
+
+/// A plugin build's name: `sha256:` and the hex SHA-256 of its component bytes, as claims
+/// (`plugin_digest`), logs, `idem status` and the console show it.
+pub fn digest(bytes: &[u8]) -> String {
+    format!("{DIGEST_PREFIX}{:x}", Sha256::digest(bytes))
+}
+
 impl PluginRuntime {
     /// The runtime, with the compiled-component cache in [`cache::default_directory`] and
     /// instances allocated on demand.
@@ -161,6 +170,28 @@ impl PluginRuntime {
         self.load_bytes(path, &bytes)
     }
 
+    /// [`load_bytes`](Self::load_bytes) on a blocking thread, off the async workers
+    /// (compiling takes seconds); the file is read first when `bytes` is `None`.
+    pub async fn compile(
+        &self,
+        path: &Path,
+        bytes: Option<Vec<u8>>,
+    ) -> Result<LoadedPlugin, PluginError> {
+        let runtime = self.clone();
+        let owned = path.to_path_buf();
+        tokio::task::spawn_blocking(move || match bytes {
+            Some(bytes) => runtime.load_bytes(&owned, &bytes),
+            None => runtime.load(&owned),
+        })
+        .await
+        .unwrap_or_else(|join_error| {
+            Err(PluginError::Invalid {
+                path: path.to_path_buf(),
+                reason: format!("compilation crashed: {join_error}"),
+            })
+        })
+    }
+
     /// Compiles and type-checks component bytes that came from `path`.
     pub fn load_bytes(&self, path: &Path, bytes: &[u8]) -> Result<LoadedPlugin, PluginError> {
         let invalid = |error: wasmtime::Error| {
@@ -182,9 +213,10 @@ impl PluginRuntime {
                 reason,
             }
         };
-        let digest_hex = format!("{:x}", Sha256::digest(bytes));
+        let digest = digest(bytes);
+        let digest_hex = digest.trim_start_matches(DIGEST_PREFIX);
         let (component, compiled) = match &self.cache {
-            Some(cache) => cache.component(&self.engine, bytes, &digest_hex),
+            Some(cache) => cache.component(&self.engine, bytes, digest_hex),
             None => {
                 Component::new(&self.engine, bytes).map(|component| (component, Compiled::Fresh))
             }
@@ -195,7 +227,7 @@ impl PluginRuntime {
         Ok(LoadedPlugin {
             pre,
             path: path.to_path_buf(),
-            digest: format!("sha256:{digest_hex}"),
+            digest,
             loaded_at: SystemTime::now(),
             compiled,
             idle: Mutex::default(),

@@ -355,6 +355,44 @@ const BULK_CLAIM_SQL: &str = concat!(
      ON CONFLICT DO NOTHING RETURNING message_key"
 );
 
+/// The ledger claims of a batch, one statement for all: each key once, in key order.
+struct BulkClaim<'a> {
+    consumer: &'a str,
+    keys: Vec<&'a str>,
+    digests: Vec<&'a str>,
+}
+
+impl<'a> BulkClaim<'a> {
+    /// The claims of `plans` taken in `order`; a repeat of a key is a duplicate already, in
+    /// `items`.
+    fn of(plans: &[&Plan<'a>], order: &[usize], items: &mut [Option<BatchItem>]) -> Self {
+        let mut claim = BulkClaim {
+            consumer: "",
+            keys: Vec::new(),
+            digests: Vec::new(),
+        };
+        let mut first_of_key = HashSet::new();
+        for &index in order {
+            let plan = plans[index];
+            if let ClaimStrategy::Ledger {
+                consumer,
+                plugin_digest,
+                ..
+            } = plan.claim
+            {
+                if first_of_key.insert(plan.key) {
+                    claim.consumer = consumer;
+                    claim.keys.push(plan.key);
+                    claim.digests.push(plugin_digest);
+                } else {
+                    items[index] = Some(Ok(ClaimOutcome::Duplicate));
+                }
+            }
+        }
+        claim
+    }
+}
+
 /// The fast path, in two flights: `BEGIN` with all ledger claims in one statement, then
 /// every new message's effects with no savepoint, and `COMMIT`. `Ok(None)` when an effect
 /// failed for its message's sake: everything was rolled back, and the caller isolates the
@@ -367,27 +405,11 @@ async fn apply_batch_optimistic(
     let mut order: Vec<usize> = (0..plans.len()).collect();
     order.sort_by(|left, right| plans[*left].key.cmp(plans[*right].key));
     let mut items: Vec<Option<BatchItem>> = (0..plans.len()).map(|_| None).collect();
-    let mut claim_keys = Vec::new();
-    let mut claim_digests = Vec::new();
-    let mut consumer = "";
-    let mut first_of_key = HashSet::new();
-    for &index in &order {
-        let plan = plans[index];
-        if let ClaimStrategy::Ledger {
-            consumer: plan_consumer,
-            plugin_digest,
-            ..
-        } = plan.claim
-        {
-            if first_of_key.insert(plan.key) {
-                consumer = plan_consumer;
-                claim_keys.push(plan.key);
-                claim_digests.push(plugin_digest);
-            } else {
-                items[index] = Some(Ok(ClaimOutcome::Duplicate));
-            }
-        }
-    }
+    let BulkClaim {
+        consumer,
+        keys: claim_keys,
+        digests: claim_digests,
+    } = BulkClaim::of(plans, &order, &mut items);
     let bulk_claim = session
         .prepared(BULK_CLAIM_SQL)
         .await

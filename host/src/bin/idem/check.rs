@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use idem_host::config::Config;
 use idem_host::pipeline;
-use idem_host::sandbox::PluginRuntime;
+use idem_host::sandbox::{LoadedPlugin, PluginRuntime};
 use idem_host::source::{self, Finding};
 use idem_host::store::database;
 use idem_host::store::statement::StatementCatalog;
@@ -39,34 +39,15 @@ async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
     {
         problems.push(error.to_string());
     }
-    let mut plugins = Vec::with_capacity(config.pipelines.len());
-    for pipeline_config in &config.pipelines {
-        match pipeline::load_plugin(&runtime, pipeline_config).await {
-            Ok(plugin) => {
-                println!(
-                    "ok   pipeline {:?}: plugin {} ({})",
-                    pipeline_config.name,
-                    plugin.path.display(),
-                    plugin.digest
-                );
-                plugins.push(Some(plugin));
-            }
-            Err(error) => {
-                problems.push(error.to_string());
-                plugins.push(None);
-            }
-        }
-    }
+    let plugins = load_plugins(&runtime, &config, &mut problems).await;
     // The statements each pipeline's self-test is checked against: as PostgreSQL prepares
     // them, or, offline, as the config declares them.
-    let mut catalogs: Vec<Option<StatementCatalog>> = Vec::with_capacity(config.pipelines.len());
-    if offline {
-        catalogs.extend(
-            config
-                .pipelines
-                .iter()
-                .map(|pipeline_config| Some(StatementCatalog::from_config(pipeline_config))),
-        );
+    let catalogs: Vec<Option<StatementCatalog>> = if offline {
+        config
+            .pipelines
+            .iter()
+            .map(|pipeline_config| Some(StatementCatalog::from_config(pipeline_config)))
+            .collect()
     } else {
         for finding in source::check(&config).await {
             match finding {
@@ -74,33 +55,8 @@ async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
                 Finding::Problem(problem) => problems.push(problem),
             }
         }
-        match database::connect_once(&config.database).await {
-            Err(error) => problems.push(error.to_string()),
-            Ok(pool) => {
-                if let Err(error) =
-                    database::check_schema(&pool, &config.database, config.outbox.is_some()).await
-                {
-                    problems.push(error.to_string());
-                }
-                for pipeline_config in &config.pipelines {
-                    match StatementCatalog::prepare(&pool, pipeline_config).await {
-                        Ok(catalog) => {
-                            println!(
-                                "ok   pipeline {:?}: {} statements prepare",
-                                pipeline_config.name,
-                                pipeline_config.statements.len()
-                            );
-                            catalogs.push(Some(catalog));
-                        }
-                        Err(errors) => {
-                            problems.extend(errors.0.iter().map(ToString::to_string));
-                            catalogs.push(None);
-                        }
-                    }
-                }
-            }
-        }
-    }
+        prepare_statements(&config, &mut problems).await
+    };
     for ((pipeline_config, plugin), catalog) in config.pipelines.iter().zip(&plugins).zip(&catalogs)
     {
         let (Some(plugin), Some(catalog)) = (plugin, catalog) else {
@@ -123,6 +79,73 @@ async fn check(path: &Path, offline: bool) -> anyhow::Result<ExitCode> {
         ""
     };
     Ok(verdict(&config, &problems, note))
+}
+
+/// Each pipeline's plugin, compiled and checked against the contract; `None` for one that
+/// failed, with its problem.
+async fn load_plugins(
+    runtime: &PluginRuntime,
+    config: &Config,
+    problems: &mut Vec<String>,
+) -> Vec<Option<LoadedPlugin>> {
+    let mut plugins = Vec::with_capacity(config.pipelines.len());
+    for pipeline_config in &config.pipelines {
+        match pipeline::load_plugin(runtime, pipeline_config).await {
+            Ok(plugin) => {
+                println!(
+                    "ok   pipeline {:?}: plugin {} ({})",
+                    pipeline_config.name,
+                    plugin.path.display(),
+                    plugin.digest
+                );
+                plugins.push(Some(plugin));
+            }
+            Err(error) => {
+                problems.push(error.to_string());
+                plugins.push(None);
+            }
+        }
+    }
+    plugins
+}
+
+/// Connects to PostgreSQL, checks the schema, and prepares each pipeline's statements; `None`
+/// for a pipeline whose statements failed, with their problems (none at all when the
+/// database cannot be reached).
+async fn prepare_statements(
+    config: &Config,
+    problems: &mut Vec<String>,
+) -> Vec<Option<StatementCatalog>> {
+    let pool = match database::connect_once(&config.database).await {
+        Ok(pool) => pool,
+        Err(error) => {
+            problems.push(error.to_string());
+            return Vec::new();
+        }
+    };
+    if let Err(error) =
+        database::check_schema(&pool, &config.database, config.outbox.is_some()).await
+    {
+        problems.push(error.to_string());
+    }
+    let mut catalogs = Vec::with_capacity(config.pipelines.len());
+    for pipeline_config in &config.pipelines {
+        match StatementCatalog::prepare(&pool, pipeline_config).await {
+            Ok(catalog) => {
+                println!(
+                    "ok   pipeline {:?}: {} statements prepare",
+                    pipeline_config.name,
+                    pipeline_config.statements.len()
+                );
+                catalogs.push(Some(catalog));
+            }
+            Err(errors) => {
+                problems.extend(errors.0.iter().map(ToString::to_string));
+                catalogs.push(None);
+            }
+        }
+    }
+    catalogs
 }
 
 fn verdict(config: &Config, problems: &[String], note: &str) -> ExitCode {

@@ -21,31 +21,42 @@ pub struct Args {
 
 impl Args {
     pub async fn run(self) -> anyhow::Result<ExitCode> {
-        let (target, selection, command) = match self.command {
+        match self.command {
             DlqArgs::List {
                 target,
                 filter,
                 json,
-            } => (target, filter.selection(), DlqCommand::List { json }),
+            } => {
+                let config = Config::load(&target.config.config)?;
+                list(
+                    pipeline(&config, &target.pipeline)?,
+                    &filter.selection(),
+                    json,
+                )
+                .await
+            }
             DlqArgs::Show {
                 target,
                 number,
                 json,
-            } => (
-                target,
-                Selection::default(),
-                DlqCommand::Show {
-                    position: number,
-                    json,
-                },
-            ),
+            } => {
+                let config = Config::load(&target.config.config)?;
+                show(pipeline(&config, &target.pipeline)?, number, json).await
+            }
             DlqArgs::Replay {
                 target,
                 filter,
                 dry_run,
-            } => (target, filter.selection(), DlqCommand::Replay { dry_run }),
-        };
-        dlq(&target.config.config, &target.pipeline, selection, command).await
+            } => {
+                replay_from(
+                    &target.config.config,
+                    &target.pipeline,
+                    filter.selection(),
+                    dry_run,
+                )
+                .await
+            }
+        }
     }
 }
 
@@ -123,27 +134,23 @@ enum DlqArgs {
     },
 }
 
-pub enum DlqCommand {
-    List { json: bool },
-    Show { position: u64, json: bool },
-    Replay { dry_run: bool },
+/// The pipeline called `name` in `config`.
+fn pipeline<'a>(config: &'a Config, name: &str) -> anyhow::Result<&'a PipelineConfig> {
+    config
+        .pipeline(name)
+        .with_context(|| format!("no pipeline {name:?} in {}", config.path.display()))
 }
 
-pub async fn dlq(
+/// Replays the dead letters `selection` takes of pipeline `pipeline_name` in the config at
+/// `path` (`idem dlq replay`, `idem replay`).
+pub async fn replay_from(
     path: &Path,
     pipeline_name: &str,
     selection: Selection,
-    command: DlqCommand,
+    dry_run: bool,
 ) -> anyhow::Result<ExitCode> {
     let config = Config::load(path)?;
-    let pipeline = config
-        .pipeline(pipeline_name)
-        .with_context(|| format!("no pipeline {pipeline_name:?} in {}", config.path.display()))?;
-    match command {
-        DlqCommand::List { json } => list(pipeline, &selection, json).await,
-        DlqCommand::Show { position, json } => show(pipeline, position, json).await,
-        DlqCommand::Replay { dry_run } => replay(pipeline, &selection, dry_run).await,
-    }
+    replay(pipeline(&config, pipeline_name)?, &selection, dry_run).await
 }
 
 async fn list(

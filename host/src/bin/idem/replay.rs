@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use idem_host::source::dead_letters::Selection;
 
 use crate::ConfigArg;
-use crate::dlq::{self, DlqCommand};
+use crate::dlq;
 
 /// Move dead-lettered messages back to their pipeline's queue or stream, oldest first (safe: claims
 /// dedup them). `idem dlq replay` does the same by selection.
@@ -26,7 +26,6 @@ impl Args {
             limit: self.limit,
             ..Default::default()
         };
-        let replay = DlqCommand::Replay { dry_run: false };
-        dlq::dlq(&self.config.config, &self.pipeline, selection, replay).await
+        dlq::replay_from(&self.config.config, &self.pipeline, selection, false).await
     }
 }

@@ -213,98 +213,9 @@ pub fn build(directory: &Path) -> anyhow::Result<ExitCode> {
     let staging = directory.join(format!(".{name}.wasm.building"));
     let started = std::time::Instant::now();
     match language {
-        Language::Rust => {
-            require(
-                "cargo",
-                "Rust is not installed: see https://rustup.rs, then `rustup target add wasm32-wasip2`",
-            )?;
-            if toolchain_present("rustup")
-                && !run_quiet(Command::new("rustup").args(["target", "list", "--installed"]))
-                    .is_some_and(|installed| {
-                        installed.lines().any(|line| line.trim() == "wasm32-wasip2")
-                    })
-            {
-                bail!("the wasm32-wasip2 target is not installed: rustup target add wasm32-wasip2");
-            }
-            let target_dir = directory.join("target");
-            let mut cargo = Command::new("cargo");
-            cargo
-                .args([
-                    "build",
-                    "--release",
-                    "--target",
-                    "wasm32-wasip2",
-                    "--manifest-path",
-                ])
-                .arg(directory.join("Cargo.toml"))
-                .arg("--target-dir")
-                .arg(&target_dir)
-                // A build tool's own settings must not leak into this separate build.
-                .env_remove("RUSTFLAGS")
-                .env_remove("CARGO_ENCODED_RUSTFLAGS")
-                .env_remove("CARGO_BUILD_TARGET");
-            run(&mut cargo, "cargo build")?;
-            let built = target_dir
-                .join("wasm32-wasip2/release")
-                .join(format!("{}.wasm", name.replace('-', "_")));
-            std::fs::copy(&built, &staging)
-                .with_context(|| format!("cannot copy {}", built.display()))?;
-        }
-        Language::Python => {
-            let version = run_quiet(Command::new("componentize-py").arg("--version")).with_context(|| {
-                format!("componentize-py is not installed: pip install componentize-py=={COMPONENTIZE_PY}")
-            })?;
-            if !version.contains(COMPONENTIZE_PY) {
-                eprintln!(
-                    "idem build: warning: {} is installed; this project is tested with componentize-py {COMPONENTIZE_PY} (pip install componentize-py=={COMPONENTIZE_PY})",
-                    version.trim()
-                );
-            }
-            let mut componentize = Command::new("componentize-py");
-            componentize
-                .current_dir(directory)
-                .args([
-                    "-d",
-                    "wit",
-                    "-w",
-                    "plugin",
-                    "componentize",
-                    "--stub-wasi",
-                    "-p",
-                    ".",
-                    "app",
-                    "-o",
-                ])
-                .arg(&staging);
-            run(&mut componentize, "componentize-py")?;
-        }
-        Language::Js => {
-            require(
-                "node",
-                "Node.js is not installed: install Node.js 20 or later with npm (e.g. apt install nodejs npm)",
-            )?;
-            if !directory
-                .join("node_modules/@bytecodealliance/componentize-js")
-                .is_dir()
-            {
-                require(
-                    "npm",
-                    "npm is not installed: install Node.js 20 or later with npm (e.g. apt install nodejs npm)",
-                )?;
-                eprintln!("idem build: installing the pinned componentize-js (npm ci)");
-                let mut npm = Command::new("npm");
-                npm.current_dir(directory).args([
-                    "ci",
-                    "--no-audit",
-                    "--no-fund",
-                    "--loglevel=error",
-                ]);
-                run(&mut npm, "npm ci")?;
-            }
-            let mut node = Command::new("node");
-            node.current_dir(directory).arg("build.mjs").arg(&staging);
-            run(&mut node, "node build.mjs")?;
-        }
+        Language::Rust => build_rust(directory, &name, &staging)?,
+        Language::Python => build_python(directory, &staging)?,
+        Language::Js => build_js(directory, &staging)?,
     }
     // Replaced by rename: a host watching the file never reads half of it.
     std::fs::rename(&staging, &output)
@@ -318,6 +229,104 @@ pub fn build(directory: &Path) -> anyhow::Result<ExitCode> {
         started.elapsed().as_secs_f64()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Builds a Rust plugin project with cargo into `staging`.
+fn build_rust(directory: &Path, name: &str, staging: &Path) -> anyhow::Result<()> {
+    require(
+        "cargo",
+        "Rust is not installed: see https://rustup.rs, then `rustup target add wasm32-wasip2`",
+    )?;
+    if toolchain_present("rustup")
+        && !run_quiet(Command::new("rustup").args(["target", "list", "--installed"]))
+            .is_some_and(|installed| installed.lines().any(|line| line.trim() == "wasm32-wasip2"))
+    {
+        bail!("the wasm32-wasip2 target is not installed: rustup target add wasm32-wasip2");
+    }
+    let target_dir = directory.join("target");
+    let mut cargo = Command::new("cargo");
+    cargo
+        .args([
+            "build",
+            "--release",
+            "--target",
+            "wasm32-wasip2",
+            "--manifest-path",
+        ])
+        .arg(directory.join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target_dir)
+        // A build tool's own settings must not leak into this separate build.
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .env_remove("CARGO_BUILD_TARGET");
+    run(&mut cargo, "cargo build")?;
+    let built = target_dir
+        .join("wasm32-wasip2/release")
+        .join(format!("{}.wasm", name.replace('-', "_")));
+    std::fs::copy(&built, staging).with_context(|| format!("cannot copy {}", built.display()))?;
+    Ok(())
+}
+
+/// Builds a Python plugin project with componentize-py into `staging`.
+fn build_python(directory: &Path, staging: &Path) -> anyhow::Result<()> {
+    let version =
+        run_quiet(Command::new("componentize-py").arg("--version")).with_context(|| {
+            format!(
+                "componentize-py is not installed: pip install componentize-py=={COMPONENTIZE_PY}"
+            )
+        })?;
+    if !version.contains(COMPONENTIZE_PY) {
+        eprintln!(
+            "idem build: warning: {} is installed; this project is tested with componentize-py {COMPONENTIZE_PY} (pip install componentize-py=={COMPONENTIZE_PY})",
+            version.trim()
+        );
+    }
+    let mut componentize = Command::new("componentize-py");
+    componentize
+        .current_dir(directory)
+        .args([
+            "-d",
+            "wit",
+            "-w",
+            "plugin",
+            "componentize",
+            "--stub-wasi",
+            "-p",
+            ".",
+            "app",
+            "-o",
+        ])
+        .arg(staging);
+    run(&mut componentize, "componentize-py")?;
+    Ok(())
+}
+
+/// Builds a JavaScript plugin project with componentize-js (installed by `npm ci` when
+/// missing) into `staging`.
+fn build_js(directory: &Path, staging: &Path) -> anyhow::Result<()> {
+    require(
+        "node",
+        "Node.js is not installed: install Node.js 20 or later with npm (e.g. apt install nodejs npm)",
+    )?;
+    if !directory
+        .join("node_modules/@bytecodealliance/componentize-js")
+        .is_dir()
+    {
+        require(
+            "npm",
+            "npm is not installed: install Node.js 20 or later with npm (e.g. apt install nodejs npm)",
+        )?;
+        eprintln!("idem build: installing the pinned componentize-js (npm ci)");
+        let mut npm = Command::new("npm");
+        npm.current_dir(directory)
+            .args(["ci", "--no-audit", "--no-fund", "--loglevel=error"]);
+        run(&mut npm, "npm ci")?;
+    }
+    let mut node = Command::new("node");
+    node.current_dir(directory).arg("build.mjs").arg(staging);
+    run(&mut node, "node build.mjs")?;
+    Ok(())
 }
 
 /// The project's language and name, from its manifest.

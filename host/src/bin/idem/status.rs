@@ -7,7 +7,6 @@ use std::process::ExitCode;
 use idem_host::config::Config;
 use idem_host::source;
 use idem_host::store::database;
-use sha2::Digest;
 
 use crate::ConfigArg;
 
@@ -33,7 +32,7 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             pipeline_config.name, pipeline_config.consumer
         );
         let plugin = match std::fs::read(&pipeline_config.plugin) {
-            Ok(bytes) => format!("sha256:{:x}", sha2::Sha256::digest(&bytes)),
+            Ok(bytes) => idem_host::sandbox::digest(&bytes),
             Err(error) => format!("unreadable: {error}"),
         };
         println!(

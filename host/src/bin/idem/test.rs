@@ -6,9 +6,10 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use idem_host::cases::{self, Origin, Trial};
-use idem_host::config::{Config, PluginLimits, SourceConfig};
+use idem_host::config::{Config, PipelineConfig, PluginLimits, SourceConfig};
 use idem_host::pipeline;
-use idem_host::sandbox::PluginRuntime;
+use idem_host::sandbox::{LoadedPlugin, PluginRuntime};
+use idem_host::store::statement::StatementCatalog;
 
 use crate::trial::{pipeline_named, statements};
 
@@ -46,42 +47,66 @@ struct TestTarget {
     offline: bool,
 }
 
-async fn test(target: TestTarget, cases_path: &Path) -> anyhow::Result<ExitCode> {
-    let cases = cases::load(cases_path)?;
-    let (runtime, plugin, pipeline_config, statements) = match &target.config {
-        Some(config_path) => {
-            let config = Config::load(config_path)?;
-            let pipeline_config = match &target.pipeline {
-                Some(name) => pipeline_named(&config, name)?.clone(),
-                None => match &config.pipelines[..] {
-                    [only] => only.clone(),
-                    _ => anyhow::bail!(
-                        "{} has {} pipelines: name one with --pipeline",
-                        config.path.display(),
-                        config.pipelines.len()
-                    ),
-                },
-            };
-            let mut pipeline_config = pipeline_config;
-            if let Some(plugin) = &target.plugin {
-                pipeline_config.plugin = plugin.clone();
-            }
-            let runtime = PluginRuntime::for_config(&config)?;
-            let plugin = pipeline::load_plugin(&runtime, &pipeline_config).await?;
-            let statements = statements(&config, &pipeline_config, target.offline).await;
-            (runtime, plugin, Some(pipeline_config), Some(statements))
-        }
-        None => {
+/// What `idem test` runs the cases with: the plugin, and with `--config` the pipeline it
+/// serves and that pipeline's statements.
+struct Subject {
+    runtime: PluginRuntime,
+    plugin: LoadedPlugin,
+    pipeline_config: Option<PipelineConfig>,
+    statements: Option<StatementCatalog>,
+}
+
+impl Subject {
+    async fn of(target: &TestTarget) -> anyhow::Result<Subject> {
+        let Some(config_path) = &target.config else {
             let path = target
                 .plugin
                 .clone()
                 .context("name the plugin with --plugin X.wasm (or a pipeline with --config)")?;
             let runtime = PluginRuntime::new()?;
-            let loading = runtime.clone();
-            let plugin = tokio::task::spawn_blocking(move || loading.load(&path)).await??;
-            (runtime, plugin, None, None)
+            let plugin = runtime.compile(&path, None).await?;
+            return Ok(Subject {
+                runtime,
+                plugin,
+                pipeline_config: None,
+                statements: None,
+            });
+        };
+        let config = Config::load(config_path)?;
+        let mut pipeline_config = match &target.pipeline {
+            Some(name) => pipeline_named(&config, name)?.clone(),
+            None => match &config.pipelines[..] {
+                [only] => only.clone(),
+                _ => anyhow::bail!(
+                    "{} has {} pipelines: name one with --pipeline",
+                    config.path.display(),
+                    config.pipelines.len()
+                ),
+            },
+        };
+        if let Some(plugin) = &target.plugin {
+            pipeline_config.plugin = plugin.clone();
         }
-    };
+        let runtime = PluginRuntime::for_config(&config)?;
+        let plugin = pipeline::load_plugin(&runtime, &pipeline_config).await?;
+        let statements = statements(&config, &pipeline_config, target.offline).await;
+        Ok(Subject {
+            runtime,
+            plugin,
+            pipeline_config: Some(pipeline_config),
+            statements: Some(statements),
+        })
+    }
+}
+
+async fn test(target: TestTarget, cases_path: &Path) -> anyhow::Result<ExitCode> {
+    let cases = cases::load(cases_path)?;
+    let Subject {
+        runtime,
+        plugin,
+        pipeline_config,
+        statements,
+    } = Subject::of(&target).await?;
     let checked_against = match (&pipeline_config, &statements) {
         (Some(pipeline_config), Some(statements)) => format!(
             "; effects checked against pipeline {:?} ({})",

@@ -12,6 +12,7 @@
 //! queue. A pass stops at `SCAN_MESSAGES` messages, or, on a classic queue, when the messages
 //! it holds reach `SCAN_BYTES`; it says so.
 
+use lapin::Channel;
 use lapin::options::{BasicGetOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use sha2::{Digest, Sha256};
@@ -39,23 +40,7 @@ pub async fn pass(
     let queue = &queues.dead_letter_queue;
     let (connection, channel) = connect_channel(&queues.broker, "dlq").await?;
     let acks = super::Acks::spawn(channel.clone());
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|source| AmqpError::Topology {
-            action: "enable publisher confirms for replay into",
-            queue: queues.queue.clone(),
-            source,
-        })?;
-    // Only what is there now: a message dead-lettered again while this runs is not met twice.
-    let waiting = topology::inspect(&channel, queue)
-        .await
-        .map_err(|source| AmqpError::Topology {
-            action: "inspect",
-            queue: queue.clone(),
-            source,
-        })?
-        .message_count();
+    let waiting = prepare(&channel, queues).await?;
     // A quorum queue counts every `nack` against its delivery limit: kept messages are
     // renewed at once (see the module's words) rather than held and given back.
     let renew = queues.queue_type == QueueType::Quorum;
@@ -77,34 +62,14 @@ pub async fn pass(
             );
             break;
         }
-        let got = match channel
-            .basic_get(
-                ShortString::from(queue.as_str()),
-                BasicGetOptions { no_ack: false },
-            )
-            .await
-        {
-            Ok(Some(got)) => got,
+        let (letter, receipt) = match next(&channel, queue, pipeline, position, &acks).await {
+            Ok(Some(next)) => next,
             Ok(None) => break,
-            Err(source) => {
-                outcome = Err(AmqpError::Topology {
-                    action: "read from",
-                    queue: queue.clone(),
-                    source,
-                });
+            Err(error) => {
+                outcome = Err(error);
                 break;
             }
         };
-        let delivery = got.delivery;
-        // The message as the pipeline's plugin saw it: from the pipeline's queue.
-        let message = inbound_message(&pipeline.name, pipeline.queue(), false, &delivery);
-        let id = message
-            .headers
-            .iter()
-            .find(|(name, _)| name == headers::DEAD_LETTER_ID)
-            .map_or_else(|| digest(&message), |(_, id)| id.clone());
-        let letter = DeadLetter::recorded(position, id, message);
-        let receipt = Receipt::of(delivery, &acks, 1);
         let keep = if selection.matches(&letter) {
             selected += 1;
             seen(&letter);
@@ -123,20 +88,9 @@ pub async fn pass(
             }
             continue;
         }
-        let headers = replay_headers(&receipt, letter.replays + 1);
-        if let Err(error) = receipt
-            .publish_copy(&channel, &queues.queue, headers, Copy::Requeue)
-            .await
-        {
+        if let Err(error) = replay(&channel, &receipt, &letter, queues).await {
             kept.push(receipt);
             outcome = Err(error);
-            break;
-        }
-        if !receipt.ack().await {
-            outcome = Err(AmqpError::Publish {
-                queue: queue.clone(),
-                reason: "the dead letter was copied but could not be acked; it may be replayed twice (harmless: the claim dedups)".into(),
-            });
             break;
         }
     }
@@ -147,6 +101,80 @@ pub async fn pass(
     }
     let _ = connection.close(200, ShortString::from("dlq done")).await;
     outcome.map(|()| selected)
+}
+
+/// Puts `channel` in confirm mode (a replay waits for its copy's confirm) and returns how
+/// many messages wait in `queues`' dead-letter queue now: only those are read, so a message
+/// dead-lettered again while the pass runs is not met twice.
+async fn prepare(channel: &Channel, queues: &RabbitMqConfig) -> Result<u32, AmqpError> {
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|source| AmqpError::Topology {
+            action: "enable publisher confirms for replay into",
+            queue: queues.queue.clone(),
+            source,
+        })?;
+    let declared = topology::inspect(channel, &queues.dead_letter_queue)
+        .await
+        .map_err(|source| AmqpError::Topology {
+            action: "inspect",
+            queue: queues.dead_letter_queue.clone(),
+            source,
+        })?;
+    Ok(declared.message_count())
+}
+
+/// Takes the next message of dead-letter queue `queue` (unacked), as the dead letter at
+/// `position` and what settles it; `None` when the queue is empty.
+async fn next(
+    channel: &Channel,
+    queue: &str,
+    pipeline: &PipelineConfig,
+    position: u64,
+    acks: &super::Acks,
+) -> Result<Option<(DeadLetter, Receipt)>, AmqpError> {
+    let got = channel
+        .basic_get(ShortString::from(queue), BasicGetOptions { no_ack: false })
+        .await
+        .map_err(|source| AmqpError::Topology {
+            action: "read from",
+            queue: queue.to_string(),
+            source,
+        })?;
+    let Some(got) = got else {
+        return Ok(None);
+    };
+    let delivery = got.delivery;
+    // The message as the pipeline's plugin saw it: from the pipeline's queue.
+    let message = inbound_message(&pipeline.name, pipeline.queue(), false, &delivery);
+    let id = message
+        .headers
+        .iter()
+        .find(|(name, _)| name == headers::DEAD_LETTER_ID)
+        .map_or_else(|| digest(&message), |(_, id)| id.clone());
+    let letter = DeadLetter::recorded(position, id, message);
+    Ok(Some((letter, Receipt::of(delivery, acks, 1))))
+}
+
+/// Replays `letter`: a copy on the pipeline's queue, confirmed, then the dead letter acked.
+async fn replay(
+    channel: &Channel,
+    receipt: &Receipt,
+    letter: &DeadLetter,
+    queues: &RabbitMqConfig,
+) -> Result<(), AmqpError> {
+    let headers = replay_headers(receipt, letter.replays + 1);
+    receipt
+        .publish_copy(channel, &queues.queue, headers, Copy::Requeue)
+        .await?;
+    if !receipt.ack().await {
+        return Err(AmqpError::Publish {
+            queue: queues.dead_letter_queue.clone(),
+            reason: "the dead letter was copied but could not be acked; it may be replayed twice (harmless: the claim dedups)".into(),
+        });
+    }
+    Ok(())
 }
 
 /// The original headers without the host's diagnostics of the last failure, with the replay
