@@ -238,6 +238,15 @@ fn no_two_modules_of_one_folder_import_each_other() {
     assert!(violations.is_empty(), "{}", violations.join("\n"));
 }
 
+/// `src/`, and every Rust file under it, the command line's included.
+fn every_source() -> (PathBuf, Vec<PathBuf>) {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&source, &mut files);
+    sources(&source.join("bin"), &mut files);
+    (source, files)
+}
+
 /// The crates that talk to brokers and delivery endpoints.
 const CLIENT_CRATES: [&str; 3] = ["lapin", "async_nats", "reqwest"];
 
@@ -246,10 +255,7 @@ const CLIENT_CRATES: [&str; 3] = ["lapin", "async_nats", "reqwest"];
 /// store, the sandbox, the consume loop and the command line name no client.
 #[test]
 fn broker_clients_stay_in_source_and_relay() {
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut files = Vec::new();
-    sources(&source, &mut files);
-    sources(&source.join("bin"), &mut files);
+    let (source, files) = every_source();
     let mut violations = Vec::new();
     for file in &files {
         let relative = file.strip_prefix(&source).expect("under src");
@@ -281,10 +287,7 @@ const FUNCTION_LINES: usize = 80;
 /// into steps that each have a name.
 #[test]
 fn no_function_is_longer_than_a_screen() {
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut files = Vec::new();
-    sources(&source, &mut files);
-    sources(&source.join("bin"), &mut files);
+    let (_, files) = every_source();
     let mut violations = Vec::new();
     for file in &files {
         if file.file_name().is_some_and(|name| name == "tests.rs") {
