@@ -2,7 +2,11 @@
 
 use std::time::Duration;
 
+use std::path::Path;
+
+use idem_e2e::proxy::Proxy;
 use idem_e2e::{TestEnv, order, unacked, wait_for};
+use idem_host::config::Config;
 
 /// Waits until the pipeline's queue is empty and nothing is held unacked.
 async fn wait_drained(env: &TestEnv) {
@@ -270,5 +274,63 @@ async fn one_ack_owner_settles_deliveries_in_any_order_without_losing_the_channe
         || async { env.ready(&env.queue).await == nacked && unacked(&env.queue) == 0 },
     )
     .await;
+    env.cleanup().await;
+}
+
+/// `[amqp] url` as a list of a cluster's nodes (two addresses in front of the local broker
+/// stand in for two nodes): when the node idem is connected to goes away under load (its
+/// connections cut, its address refusing), idem moves to the next node, and every order
+/// applies once with nothing dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_of_nodes_moves_to_another_when_one_goes_away() {
+    let env = TestEnv::new("amqp_nodes").await;
+    let broker: std::net::SocketAddr = "127.0.0.1:5672".parse().expect("address");
+    let first = Proxy::start(broker).await;
+    let second = Proxy::start(broker).await;
+    let node = |port: u16| format!("\"amqp://guest:guest@127.0.0.1:{port}/%2f\"");
+    let text = env.config_text("loyalty", "");
+    let plain = format!("url = \"{}\"\n", idem_e2e::amqp_url());
+    assert!(text.contains(&plain), "config layout changed: {text}");
+    let text = text.replace(
+        &plain,
+        &format!("url = [{}, {}]\n", node(first.port), node(second.port)),
+    );
+    let config = Config::from_toml(Path::new("/tmp/idem-amqp-nodes.toml"), &text).expect("config");
+    let host = env.start_host(config);
+    let total = |order_id: i64| 100 + (order_id * 37) % 10_000;
+    for order_id in 1..=300 {
+        env.publish(&order(order_id, order_id % 20, total(order_id)))
+            .await;
+    }
+    wait_for(
+        "orders applied through the first node",
+        Duration::from_secs(60),
+        || async { env.count("SELECT count(*) FROM point_ledger").await >= 50 },
+    )
+    .await;
+    // The first node dies: what it carried is cut, and its address refuses from now on.
+    first.cut_all();
+    drop(first);
+    for order_id in 301..=600 {
+        env.publish(&order(order_id, order_id % 20, total(order_id)))
+            .await;
+    }
+    wait_for("600 ledger rows", Duration::from_secs(120), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 600
+    })
+    .await;
+    wait_drained(&env).await;
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(
+        env.ready(&env.dead_letter_queue).await,
+        0,
+        "messages dead-lettered"
+    );
+    env.assert_loyalty_consistent().await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM processed_messages").await,
+        600
+    );
+    drop(second);
     env.cleanup().await;
 }

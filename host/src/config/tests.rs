@@ -264,6 +264,26 @@ fn connectivity_settings_are_checked() {
         &VALID.replace("amqp://127.0.0.1", "http://127.0.0.1"),
         &["amqp.url", "is not an AMQP URL"],
     );
+    // A cluster: a list of nodes, each checked; one scheme for all.
+    let cluster =
+        |urls: &str| VALID.replace("url = \"amqp://127.0.0.1\"", &format!("url = {urls}"));
+    let config = Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &cluster("[\"amqp://u:secret@node-1\", \"amqp://u:secret@node-2:5673/%2f\"]"),
+    )
+    .expect("a list of nodes");
+    let broker = &rabbitmq(&config.pipelines[0]).broker;
+    assert_eq!(broker.urls.len(), 2);
+    assert_eq!(broker.endpoints(), "amqp://node-1, amqp://node-2:5673/%2f");
+    check_error(&cluster("[]"), &["amqp.url", "at least one"]);
+    check_error(
+        &cluster("[\"amqp://node-1\", \"http://node-2\"]"),
+        &["amqp.url", "\"http://node-2\" is not an AMQP URL"],
+    );
+    check_error(
+        &cluster("[\"amqp://node-1\", \"amqps://node-2\"]"),
+        &["amqp.url", "all amqps:// (TLS) or all amqp://"],
+    );
     let config = Config::from_toml(
         Path::new("/etc/idem/pipelines.toml"),
         &tls("amqps://127.0.0.1", "ca_file = \"ca.pem\""),
@@ -271,7 +291,7 @@ fn connectivity_settings_are_checked() {
     .expect("amqps with a CA");
     // [amqp] is resolved into each RabbitMQ source (and AMQP destination) that uses it.
     let broker = &rabbitmq(&config.pipelines[0]).broker;
-    assert_eq!(broker.url, "amqps://127.0.0.1");
+    assert_eq!(broker.urls, ["amqps://127.0.0.1"]);
     assert_eq!(
         broker.tls.as_ref().and_then(|tls| tls.ca_file.clone()),
         Some(PathBuf::from("/etc/idem/ca.pem"))
@@ -284,7 +304,7 @@ fn connectivity_settings_are_checked() {
     let outbox = config.outbox.expect("outbox");
     assert!(matches!(
         outbox.destinations.get("audit"),
-        Some(Destination::Amqp { broker, exchange, .. }) if broker.url == "amqp://127.0.0.1" && exchange == "audit"
+        Some(Destination::Amqp { broker, exchange, .. }) if broker.urls == ["amqp://127.0.0.1"] && exchange == "audit"
     ));
 
     let queue = |keys: &str| {

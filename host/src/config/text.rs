@@ -187,6 +187,26 @@ pub(super) fn interpolated_spanned_list<'de, D: Deserializer<'de>>(
     Ok(Some(Spanned::new(span, values)))
 }
 
+/// One string or a list of them, each expanded: always a list.
+pub(super) fn interpolated_one_or_many<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    let raw = match OneOrMany::deserialize(deserializer)? {
+        OneOrMany::One(one) => vec![one],
+        OneOrMany::Many(many) => many,
+    };
+    raw.iter()
+        .map(|value| expand_env(value, |name| std::env::var(name).ok()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(serde::de::Error::custom)
+}
+
 pub(super) fn interpolated_option<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<String>, D::Error> {

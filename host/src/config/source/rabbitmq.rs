@@ -9,16 +9,19 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::super::ConfigError;
-use super::super::text::{Document, Table, interpolated, redact_url};
+use super::super::text::{Document, Table, interpolated_one_or_many, redact_url};
 use super::super::tls::ClientTls;
 
 /// The `[amqp]` table.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AmqpConfig {
-    /// An `amqp://` or `amqps://` (TLS) URL, vhost included (`%2f` for `/`).
-    #[serde(deserialize_with = "interpolated")]
-    pub url: String,
+    /// An `amqp://` or `amqps://` (TLS) URL, vhost included (`%2f` for `/`); or, for a
+    /// cluster, a list of them, one per node: idem connects to the first that answers, and
+    /// to another when its node goes away.
+    #[serde(rename = "url", deserialize_with = "interpolated_one_or_many")]
+    #[schemars(rename = "url", with = "OneOrMany")]
+    pub urls: Vec<String>,
     /// TLS settings for an `amqps://` URL.
     #[serde(default)]
     pub tls: Option<ClientTls>,
@@ -73,32 +76,61 @@ pub enum QueueArgument {
     Text(String),
 }
 
+/// `url` as `idem schema` describes it: one URL, or a list of them.
+#[derive(JsonSchema)]
+#[serde(untagged)]
+#[expect(dead_code, reason = "a shape for the schema, never built")]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
 impl AmqpConfig {
-    /// The table as written, checked: an AMQP URL, TLS only with `amqps://`, its files
-    /// resolved against the config file's directory.
+    /// The broker's addresses for logs and errors, without credentials.
+    pub fn endpoints(&self) -> String {
+        self.urls
+            .iter()
+            .map(|url| redact_url(url))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The table as written, checked: at least one AMQP URL, all of them TLS or none, TLS
+    /// settings only with `amqps://`, its files resolved against the config file's directory.
     pub(in crate::config) fn checked(
         table: Spanned<AmqpConfig>,
         document: &Document,
     ) -> Result<AmqpConfig, ConfigError> {
         let span = Some(table.span());
         let mut amqp = table.into_inner();
-        let uri: lapin::uri::AMQPUri = amqp.url.parse().map_err(|error| {
-            document.at(
-                span.clone(),
+        if amqp.urls.is_empty() {
+            return Err(document.at(span, "amqp.url", "give at least one AMQP URL"));
+        }
+        let mut schemes = Vec::with_capacity(amqp.urls.len());
+        for url in &amqp.urls {
+            let uri: lapin::uri::AMQPUri = url.parse().map_err(|error| {
+                document.at(
+                    span.clone(),
+                    "amqp.url",
+                    format!("{:?} is not an AMQP URL: {error}", redact_url(url)),
+                )
+            })?;
+            schemes.push(matches!(uri.scheme, lapin::uri::AMQPScheme::AMQPS));
+        }
+        let secure = schemes[0];
+        if schemes.iter().any(|scheme| *scheme != secure) {
+            return Err(document.at(
+                span,
                 "amqp.url",
-                format!("{:?} is not an AMQP URL: {error}", redact_url(&amqp.url)),
-            )
-        })?;
-        let secure = matches!(uri.scheme, lapin::uri::AMQPScheme::AMQPS);
+                "the nodes of one broker are all amqps:// (TLS) or all amqp://",
+            ));
+        }
         if let Some(tls) = amqp.tls.take() {
             if !secure {
                 return Err(document.at(
                     span,
                     "amqp.tls",
-                    format!(
-                        "set, but url {:?} is not amqps:// (TLS)",
-                        redact_url(&amqp.url)
-                    ),
+                    format!("set, but url {:?} is not amqps:// (TLS)", amqp.endpoints()),
                 ));
             }
             amqp.tls = Some(

@@ -5,7 +5,7 @@ use lapin::types::ShortString;
 
 use super::topology::{self, Found, Role};
 use super::{connect, queue_depth};
-use crate::config::{AmqpConfig, PipelineConfig, RabbitMqConfig, redact_url};
+use crate::config::{AmqpConfig, PipelineConfig, RabbitMqConfig};
 use crate::source::{Finding, StatusLine};
 
 /// Connects to each of `brokers` as `idem run` would and checks the queues of the
@@ -25,7 +25,7 @@ pub async fn check(
         };
         findings.push(Finding::Ok(format!(
             "RabbitMQ at {}: credentials and vhost accepted",
-            redact_url(&broker.url)
+            broker.endpoints()
         )));
         for (pipeline, queues) in pipelines {
             if &queues.broker == *broker {

@@ -26,10 +26,39 @@ const NOT_ALLOWED: u16 = 530;
 const TLS_SETTINGS: &str =
     "[amqp.tls] ca_file, cert_file and key_file, and the host name in [amqp] url";
 
-/// Connects to the broker named by `config`, as `name` (shown in the management UI).
+/// Connects to the broker named by `config`, as `name` (shown in the management UI): to the
+/// first of its nodes (`[amqp] url`, one or a list) that answers. A refusal (credentials,
+/// vhost, TLS) is the same on every node of a cluster and ends the attempt; an outage moves
+/// on to the next node, and when none answers the last node's outage is the error.
 pub async fn connect(config: &AmqpConfig, name: String) -> Result<Connection, AmqpError> {
-    let endpoint = redact_url(&config.url);
-    let tls = tls_config(config.tls.as_ref()).map_err(|reason| AmqpError::Refused {
+    let mut outage = None;
+    for url in &config.urls {
+        match connect_to(url, config.tls.as_ref(), name.clone()).await {
+            Ok(connection) => return Ok(connection),
+            Err(refused @ AmqpError::Refused { .. }) => return Err(refused),
+            Err(error) => {
+                if config.urls.len() > 1 {
+                    tracing::debug!(%error, "A RabbitMQ node did not answer; trying the next.");
+                }
+                outage = Some(error);
+            }
+        }
+    }
+    Err(outage.unwrap_or_else(|| AmqpError::Refused {
+        subject: "the connection to RabbitMQ".into(),
+        reason: "no node to connect to".into(),
+        setting: "[amqp] url".into(),
+    }))
+}
+
+/// Connects to the one node at `url`.
+async fn connect_to(
+    url: &str,
+    tls: Option<&ClientTls>,
+    name: String,
+) -> Result<Connection, AmqpError> {
+    let endpoint = redact_url(url);
+    let tls = tls_config(tls).map_err(|reason| AmqpError::Refused {
         subject: format!("the connection to {endpoint}"),
         reason,
         setting: TLS_SETTINGS.into(),
@@ -39,7 +68,7 @@ pub async fn connect(config: &AmqpConfig, name: String) -> Result<Connection, Am
         endpoint: endpoint.clone(),
         source,
     })?;
-    let connecting = Connection::connect_with_config(&config.url, properties, tls, runtime);
+    let connecting = Connection::connect_with_config(url, properties, tls, runtime);
     match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
         Ok(Ok(connection)) => Ok(connection),
         Ok(Err(source)) => Err(match refused_setting(&source) {

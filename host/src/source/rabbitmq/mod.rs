@@ -346,7 +346,7 @@ pub async fn connect_channel(
         .create_channel()
         .await
         .map_err(|source| AmqpError::Connect {
-            endpoint: crate::config::redact_url(&amqp.url),
+            endpoint: amqp.endpoints(),
             source,
         })?;
     Ok((connection, channel))
