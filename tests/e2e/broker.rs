@@ -334,3 +334,50 @@ async fn a_list_of_nodes_moves_to_another_when_one_goes_away() {
     drop(second);
     env.cleanup().await;
 }
+
+/// A node whose host died without a word (it accepts nothing and refuses nothing: the
+/// packets vanish) first in `[amqp] url`: the next node is tried beside it after a moment, so
+/// the host consumes within seconds instead of waiting out the connect timeout (15 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_node_does_not_hold_up_the_next() {
+    let env = TestEnv::new("amqp_silent").await;
+    // Accepts connections and never answers: an AMQP handshake there waits forever.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let silent_port = silent.local_addr().expect("address").port();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    let text = env.config_text("loyalty", "");
+    let plain = format!("url = \"{}\"\n", idem_e2e::amqp_url());
+    assert!(text.contains(&plain), "config layout changed: {text}");
+    let text = text.replace(
+        &plain,
+        &format!(
+            "url = [\"amqp://guest:guest@127.0.0.1:{silent_port}/%2f\", \"{}\"]\n",
+            idem_e2e::amqp_url()
+        ),
+    );
+    let config = Config::from_toml(Path::new("/tmp/idem-amqp-silent.toml"), &text).expect("config");
+    let started = std::time::Instant::now();
+    let host = env.start_host(config);
+    env.publish(&order(1, 1, 1_000)).await;
+    wait_for(
+        "the order applied through the next node",
+        Duration::from_secs(30),
+        || async { env.count("SELECT count(*) FROM point_ledger").await == 1 },
+    )
+    .await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "consuming began {took:?} after start: the silent node held up the next"
+    );
+    host.stop().await.expect("host stops cleanly");
+    holder.abort();
+    env.cleanup().await;
+}

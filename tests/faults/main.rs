@@ -7,6 +7,7 @@
 //! `IDEM_FAULTS=full` runs the full sizes (10,000 messages, 5 kills, 30 s of backend
 //! terminations); the default short profile keeps CI fast. `scripts/faults.sh` runs it.
 
+mod cluster;
 mod database;
 mod jetstream;
 

@@ -7,6 +7,7 @@
 pub mod browser;
 pub mod jetstream;
 pub mod proxy;
+pub mod rabbit_cluster;
 pub mod soak;
 pub mod tls;
 

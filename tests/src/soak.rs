@@ -470,7 +470,7 @@ async fn produce(
     bad_every: i64,
     duration: Duration,
 ) -> Produced {
-    let mut rabbit = RabbitPublisher::default();
+    let mut rabbit = RabbitPublisher::to(&crate::amqp_url());
     let mut produced = Produced {
         bad: BTreeSet::new(),
         deliveries: 0,
@@ -522,16 +522,24 @@ async fn stored_on_stream(
     )
 }
 
-/// A publisher to RabbitMQ that reconnects after a broker restart.
-#[derive(Default)]
-struct RabbitPublisher {
+/// A publisher to RabbitMQ that reconnects after a broker restart (or a node's death).
+pub struct RabbitPublisher {
+    url: String,
     connection: Option<(Connection, Channel)>,
 }
 
 impl RabbitPublisher {
+    /// A publisher to the broker at `url`, connecting at its first publish.
+    pub fn to(url: &str) -> RabbitPublisher {
+        RabbitPublisher {
+            url: url.to_string(),
+            connection: None,
+        }
+    }
+
     /// Publishes `body` to `queue` persistently and waits for the confirm, retrying (on a
     /// new connection) until the broker confirms it.
-    async fn publish(&mut self, queue: &str, body: &[u8]) {
+    pub async fn publish(&mut self, queue: &str, body: &[u8]) {
         loop {
             if self
                 .connection
@@ -540,7 +548,7 @@ impl RabbitPublisher {
             {
                 self.connection = match tokio::time::timeout(
                     Duration::from_secs(5),
-                    crate::try_connect_channel_to(&crate::amqp_url()),
+                    crate::try_connect_channel_to(&self.url),
                 )
                 .await
                 {

@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::LongString;
 use lapin::{Connection, ConnectionProperties};
@@ -26,21 +28,43 @@ const NOT_ALLOWED: u16 = 530;
 const TLS_SETTINGS: &str =
     "[amqp.tls] ca_file, cert_file and key_file, and the host name in [amqp] url";
 
+/// How long a node may stay silent while connecting before the next one is tried beside it.
+const NEXT_NODE_AFTER: Duration = Duration::from_secs(2);
+
 /// Connects to the broker named by `config`, as `name` (shown in the management UI): to the
-/// first of its nodes (`[amqp] url`, one or a list) that answers. A refusal (credentials,
-/// vhost, TLS) is the same on every node of a cluster and ends the attempt; an outage moves
-/// on to the next node, and when none answers the last node's outage is the error.
+/// first of its nodes (`[amqp] url`, one or a list) that answers. The nodes are tried in
+/// order; one that fails moves on to the next at once, one that stays silent (a dead host
+/// whose packets vanish) has the next tried beside it after [`NEXT_NODE_AFTER`], and the
+/// first to answer wins. A refusal (credentials, vhost, TLS) is the same on every node of a
+/// cluster and ends the attempt; when no node answers, the last outage is the error.
 pub async fn connect(config: &AmqpConfig, name: String) -> Result<Connection, AmqpError> {
+    let mut waiting = config.urls.iter();
+    let mut attempts = FuturesUnordered::new();
     let mut outage = None;
-    for url in &config.urls {
-        match connect_to(url, config.tls.as_ref(), name.clone()).await {
-            Ok(connection) => return Ok(connection),
-            Err(refused @ AmqpError::Refused { .. }) => return Err(refused),
-            Err(error) => {
-                if config.urls.len() > 1 {
+    loop {
+        if attempts.is_empty() {
+            match waiting.next() {
+                Some(url) => attempts.push(connect_to(url, config.tls.as_ref(), name.clone())),
+                None => break,
+            }
+        }
+        tokio::select! {
+            finished = attempts.next() => match finished {
+                Some(Ok(connection)) => return Ok(connection),
+                Some(Err(refused @ AmqpError::Refused { .. })) => return Err(refused),
+                Some(Err(error)) => {
                     tracing::debug!(%error, "A RabbitMQ node did not answer; trying the next.");
+                    outage = Some(error);
+                    if let Some(url) = waiting.next() {
+                        attempts.push(connect_to(url, config.tls.as_ref(), name.clone()));
+                    }
                 }
-                outage = Some(error);
+                None => {}
+            },
+            () = tokio::time::sleep(NEXT_NODE_AFTER), if waiting.len() > 0 => {
+                if let Some(url) = waiting.next() {
+                    attempts.push(connect_to(url, config.tls.as_ref(), name.clone()));
+                }
             }
         }
     }
