@@ -3,14 +3,13 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use anyhow::Context;
-
 use idem_host::config::{Config, PipelineConfig};
 use idem_host::source;
 use idem_host::source::dead_letters::{Action, PREVIEW_CHARS, Selection, cut_line};
 
 use crate::ConfigArg;
 use crate::table::{format_age, print_table};
+use crate::trial::pipeline_named;
 
 /// Dead letters: list, show, and replay by error kind, reason or age.
 #[derive(clap::Args)]
@@ -29,7 +28,7 @@ impl Args {
             } => {
                 let config = Config::load(&target.config.config)?;
                 list(
-                    pipeline(&config, &target.pipeline)?,
+                    pipeline_named(&config, &target.pipeline)?,
                     &filter.selection(),
                     json,
                 )
@@ -41,7 +40,7 @@ impl Args {
                 json,
             } => {
                 let config = Config::load(&target.config.config)?;
-                show(pipeline(&config, &target.pipeline)?, number, json).await
+                show(pipeline_named(&config, &target.pipeline)?, number, json).await
             }
             DlqArgs::Replay {
                 target,
@@ -134,13 +133,6 @@ enum DlqArgs {
     },
 }
 
-/// The pipeline called `name` in `config`.
-fn pipeline<'a>(config: &'a Config, name: &str) -> anyhow::Result<&'a PipelineConfig> {
-    config
-        .pipeline(name)
-        .with_context(|| format!("no pipeline {name:?} in {}", config.path.display()))
-}
-
 /// Replays the dead letters `selection` takes of pipeline `pipeline_name` in the config at
 /// `path` (`idem dlq replay`, `idem replay`).
 pub async fn replay_from(
@@ -150,7 +142,7 @@ pub async fn replay_from(
     dry_run: bool,
 ) -> anyhow::Result<ExitCode> {
     let config = Config::load(path)?;
-    replay(pipeline(&config, pipeline_name)?, &selection, dry_run).await
+    replay(pipeline_named(&config, pipeline_name)?, &selection, dry_run).await
 }
 
 async fn list(
