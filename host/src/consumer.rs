@@ -35,8 +35,8 @@ pub fn consume_pipeline(
             Box::pin(consume::<S>(self.0, config.clone(), self.1))
         }
     }
-    let config = Arc::clone(&pipeline);
-    source::for_kind(&config.config, Consume(pipeline, shutdown))
+    let chooser = Arc::clone(&pipeline);
+    source::for_kind(&chooser.config, Consume(pipeline, shutdown))
 }
 
 /// Consumes the pipeline's queue from source `S`, configured by `config`, until `shutdown`,
