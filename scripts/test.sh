@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: services up, toolchains and Chromium installed, plugins built (by
+# The test command: services up, toolchains, Chromium and PgBouncer installed, plugins built (by
 # tests/build.rs), every test against real PostgreSQL, RabbitMQ and NATS JetStream. Extra
 # arguments go to `cargo test`.
 set -euo pipefail
@@ -17,15 +17,16 @@ fi
 if [ ! -d "$root/plugins/loyalty-js/node_modules" ]; then
   (cd "$root/plugins/loyalty-js" && npm ci --no-audit --no-fund --loglevel=error)
 fi
-# The console's browser test: Debian's Chromium, driven by playwright-core (which downloads no
-# browser of its own).
-if [ ! -x /usr/bin/chromium ]; then
-  if [ "$(id -u)" = 0 ]; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null ||
-      { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null; }
-  else
-    sudo DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null
-  fi
+# Debian packages the tests run: Chromium for the console's browser test (driven by
+# playwright-core, which downloads no browser of its own), PgBouncer for the pooler tests.
+missing=()
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+[ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+if [ ${#missing[@]} -gt 0 ]; then
+  as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+  install=(env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}")
+  as_root "${install[@]}" >/dev/null ||
+    { as_root apt-get update >/dev/null && as_root "${install[@]}" >/dev/null; }
 fi
 if [ ! -d "$root/tests/console/node_modules" ]; then
   (cd "$root/tests/console" && npm ci --no-audit --no-fund --loglevel=error)

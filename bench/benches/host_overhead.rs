@@ -25,11 +25,8 @@ fn host_overhead(criterion: &mut Criterion) {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idem_bench_micro".into());
     let config = idem_bench::demo_config(&database_url);
     let pipeline = &config.pipelines[0];
-    let (_pool, catalog) = runtime.block_on(idem_bench::loyalty_database(
-        &admin_url,
-        &database_url,
-        pipeline,
-    ));
+    let (_pool, catalog) =
+        runtime.block_on(idem_bench::loyalty_database(&admin_url, &config, pipeline));
     // What `idem run` uses for this config: the compiled-component cache and the instance pool.
     let plugin_runtime = PluginRuntime::for_config(&config).expect("plugin runtime");
     let plugin = plugin_runtime

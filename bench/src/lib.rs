@@ -65,13 +65,15 @@ pub fn demo_config(database_url: &str) -> idem_host::config::Config {
         .expect("pipelines.toml is valid")
 }
 
-/// A fresh database at `database_url` (created through `admin_url` if missing, emptied if
-/// not) with idem's tables and the loyalty schema, and `pipeline`'s statements prepared.
+/// A fresh database at `config`'s `[database] url` (created through `admin_url` if missing,
+/// emptied if not) with idem's tables and the loyalty schema, and `pipeline`'s statements
+/// prepared.
 pub async fn loyalty_database(
     admin_url: &str,
-    database_url: &str,
+    config: &idem_host::config::Config,
     pipeline: &idem_host::config::PipelineConfig,
 ) -> (sqlx::PgPool, idem_host::store::statement::StatementCatalog) {
+    let database_url = config.database.url.as_str();
     const SCHEMA: &str = include_str!("../../examples/loyalty/schema.sql");
     let admin = sqlx::PgPool::connect(admin_url)
         .await
@@ -97,9 +99,14 @@ pub async fn loyalty_database(
         .execute(&pool)
         .await
         .expect("empty tables");
-    let catalog = idem_host::store::statement::StatementCatalog::prepare(&pool, pipeline)
+    let sessions = idem_host::store::database::open(&config.database)
+        .await
+        .expect("idem's sessions")
+        .sessions;
+    let catalog = idem_host::store::statement::StatementCatalog::prepare(&sessions, pipeline)
         .await
         .expect("statements prepare");
+    sessions.close_idle();
     (pool, catalog)
 }
 

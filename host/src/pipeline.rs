@@ -15,6 +15,7 @@ use crate::effect::Outcome;
 use crate::metrics::Metrics;
 use crate::relay::RelayWaker;
 use crate::sandbox::{LoadedPlugin, PluginError, PluginRuntime};
+use crate::store::bookkeeping;
 use crate::store::database::Database;
 use crate::store::session::SessionPool;
 use crate::store::statement::{StatementCatalog, StatementErrors};
@@ -121,7 +122,7 @@ impl Pipeline {
     ) -> Result<Pipeline, PipelineError> {
         let pool = &database.pool;
         let plugin = load_plugin(&runtime, &config).await?;
-        let statements = StatementCatalog::prepare(pool, &config).await?;
+        let statements = StatementCatalog::prepare(&database.sessions, &config).await?;
         self_test(&runtime, &config, &statements, &plugin).await?;
         let partitioned_claims = crate::store::partition::is_partitioned(pool)
             .await
@@ -288,11 +289,17 @@ async fn check_role(pool: &PgPool, pipeline: &str, role: &str) -> Result<(), Pip
         role: role.to_string(),
         reason,
     };
-    let member: Option<bool> = sqlx::query_scalar(
-        "SELECT pg_has_role(current_user, oid, 'MEMBER') FROM pg_roles WHERE rolname = $1",
-    )
-    .bind(role)
-    .fetch_optional(pool)
+    let member: Option<bool> = async {
+        let mut transaction = pool.begin().await?;
+        let member = bookkeeping::query_scalar(
+            "SELECT pg_has_role(current_user, oid, 'MEMBER') FROM pg_roles WHERE rolname = $1",
+        )
+        .bind(role)
+        .fetch_optional(&mut *transaction)
+        .await?;
+        transaction.commit().await?;
+        Ok::<_, sqlx::Error>(member)
+    }
     .await
     .map_err(|error| refuse(error.to_string()))?;
     match member {

@@ -507,8 +507,8 @@ mod tests {
 
     use super::*;
     use crate::effect::Failure;
+    use crate::store::binding::BindError;
     use crate::store::session::SessionError;
-    use crate::store::statement::BindError;
 
     /// A value out of its parameter's range: the message's own fault (22003).
     fn out_of_range() -> SessionError {

@@ -280,6 +280,41 @@ fn broker_clients_stay_in_source_and_relay() {
     assert!(violations.is_empty(), "{}", violations.join("\n"));
 }
 
+/// Every sqlx statement of the host goes through `store::bookkeeping`, which never names one
+/// (a named statement breaks behind a transaction pooler).
+#[test]
+fn sqlx_statements_go_through_bookkeeping() {
+    let (source, files) = every_source();
+    let mut violations = Vec::new();
+    for file in &files {
+        if file.strip_prefix(&source).expect("under src") == Path::new("store/bookkeeping.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(file).expect("read");
+        // Unit tests (after `#[cfg(test)]`) prepare on connections of their own.
+        let code = text
+            .lines()
+            .take_while(|line| line.trim() != "#[cfg(test)]");
+        for (number, line) in code.enumerate() {
+            let named = ["sqlx::query(", "sqlx::query_as(", "sqlx::query_scalar("]
+                .iter()
+                .chain(&[".prepare(", "MIGRATOR.run("])
+                .any(|call| line.contains(call));
+            // tokio-postgres `prepare`s are the sessions' (`store::session`).
+            let session = file.ends_with("store/session.rs");
+            if named && !session && !line.trim_start().starts_with("//") {
+                violations.push(format!(
+                    "{}:{}: {}",
+                    file.display(),
+                    number + 1,
+                    line.trim()
+                ));
+            }
+        }
+    }
+    assert!(violations.is_empty(), "{}", violations.join("\n"));
+}
+
 /// Lines a function of the host may span, signature and closing brace included.
 const FUNCTION_LINES: usize = 80;
 

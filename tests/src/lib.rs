@@ -6,6 +6,8 @@
 
 pub mod browser;
 pub mod jetstream;
+pub mod pg_cluster;
+pub mod pgbouncer;
 pub mod proxy;
 pub mod rabbit_cluster;
 pub mod soak;
@@ -57,6 +59,38 @@ pub fn admin_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+/// Creates `database` on the server of `admin_url`, with idem's tables and the examples'
+/// schemas; returns its URL and a pool on it.
+pub async fn create_database(admin_url: &str, database: &str) -> (String, PgPool) {
+    let mut admin = PgConnection::connect(admin_url)
+        .await
+        .expect("PostgreSQL reachable (scripts/services.sh starts it)");
+    sqlx::query(&format!("CREATE DATABASE \"{database}\""))
+        .execute(&mut admin)
+        .await
+        .expect("create test database");
+    let database_url = replace_database(admin_url, database);
+    let pool = PgPoolOptions::new()
+        .max_connections(20)
+        .connect(&database_url)
+        .await
+        .expect("connect test database");
+    idem_host::store::database::MIGRATOR
+        .run(&pool)
+        .await
+        .expect("host migrations apply");
+    for example in EXAMPLE_SCHEMAS {
+        let path = Path::new(REPO_ROOT).join(example);
+        let schema = std::fs::read_to_string(&path)
+            .unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+        sqlx::raw_sql(&schema)
+            .execute(&pool)
+            .await
+            .unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+    }
+    (database_url, pool)
+}
+
 /// One test's private world: a database, queue names, and a broker channel for the test itself.
 pub struct TestEnv {
     pub name: String,
@@ -79,32 +113,7 @@ impl TestEnv {
         let suffix: u32 = rand::random();
         let unique = format!("{name}_{}_{suffix:08x}", std::process::id());
         let database = format!("idem_t_{unique}");
-        let mut admin = PgConnection::connect(&admin_url())
-            .await
-            .expect("PostgreSQL reachable (scripts/services.sh starts it)");
-        sqlx::query(&format!("CREATE DATABASE \"{database}\""))
-            .execute(&mut admin)
-            .await
-            .expect("create test database");
-        let database_url = replace_database(&admin_url(), &database);
-        let pool = PgPoolOptions::new()
-            .max_connections(20)
-            .connect(&database_url)
-            .await
-            .expect("connect test database");
-        idem_host::store::database::MIGRATOR
-            .run(&pool)
-            .await
-            .expect("host migrations apply");
-        for example in EXAMPLE_SCHEMAS {
-            let path = Path::new(REPO_ROOT).join(example);
-            let schema = std::fs::read_to_string(&path)
-                .unwrap_or_else(|error| panic!("{}: {error}", path.display()));
-            sqlx::raw_sql(&schema)
-                .execute(&pool)
-                .await
-                .unwrap_or_else(|error| panic!("{}: {error}", path.display()));
-        }
+        let (database_url, pool) = create_database(&admin_url(), &database).await;
         let (connection, channel) = connect_channel().await;
         let queue = format!("idem-t-{unique}");
         let dead_letter_queue = format!("{queue}.dead-letter");
@@ -616,6 +625,20 @@ async fn declare(channel: &Channel, queue: &str, arguments: FieldTable) {
 }
 
 /// A free loopback port for a host's HTTP endpoint.
+/// Sets `path`'s Unix permission bits.
+pub(crate) fn set_mode(path: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+}
+
+/// Whether the tests run as root (servers that refuse root then run as another user).
+pub(crate) fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|output| output.stdout.starts_with(b"0\n"))
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::free_port;
+use crate::{free_port, set_mode};
 
 /// Where Debian keeps the broker's scripts (the ones in /usr/sbin switch to the rabbitmq
 /// user; these run as the caller).
@@ -251,9 +251,4 @@ impl Drop for Cluster {
         }
         let _ = std::fs::remove_dir_all(&self.directory);
     }
-}
-
-fn set_mode(path: &Path, mode: u32) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
 }

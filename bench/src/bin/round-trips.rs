@@ -68,7 +68,7 @@ async fn main() {
     let config = idem_bench::demo_config(&database_url);
     let tls_config = idem_bench::demo_config(&with_sslmode(&database_url, "require"));
     let pipeline = config.pipelines[0].clone();
-    let (pool, catalog) = idem_bench::loyalty_database(&admin_url, &database_url, &pipeline).await;
+    let (pool, catalog) = idem_bench::loyalty_database(&admin_url, &config, &pipeline).await;
     let catalog = Arc::new(catalog);
     println!(
         "one message's transaction (claim, credit, ledger row), {ORDERS_PER_RUN} new orders per row, same database"

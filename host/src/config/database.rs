@@ -8,13 +8,20 @@ use std::time::Duration;
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use toml::Spanned;
+
+use super::ConfigError;
 use super::text::{Document, duration, duration_schema, interpolated, interpolated_path_option};
 
 /// The `[database]` table.
 #[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DatabaseConfig {
-    /// A `postgres://` URL.
+    /// A `postgres://` URL. It may list several hosts, as libpq does
+    /// (`postgres://idem@db1:5432,db2:5432/orders`): idem connects to the first that answers
+    /// and takes writes (`target_session_attrs=read-write`, the default with several hosts;
+    /// `primary` is the same; `any` takes the first that answers), and looks again when it
+    /// stops taking them (a failover).
     #[serde(deserialize_with = "interpolated")]
     pub url: String,
     /// Upper bound of the connection pool shared by all pipelines.
@@ -26,9 +33,9 @@ pub struct DatabaseConfig {
     #[serde(default = "default_idle_in_transaction", deserialize_with = "duration")]
     #[schemars(schema_with = "duration_schema")]
     pub idle_in_transaction_timeout: Duration,
-    /// The server probes a silent client connection after this long (TCP keepalive, then
-    /// `tcp_user_timeout` for unacknowledged data), so a vanished host's session ends.
-    /// Default 30 s.
+    /// A silent connection is probed after this long (TCP keepalive, then `tcp_user_timeout`
+    /// for unacknowledged data), by idem and by the server, so a vanished peer's connection
+    /// ends on both sides. Default 30 s.
     #[serde(default = "default_keepalive", deserialize_with = "duration")]
     #[schemars(schema_with = "duration_schema")]
     pub keepalive: Duration,
@@ -36,6 +43,36 @@ pub struct DatabaseConfig {
     /// `sslcert` or `sslkey` (which are honoured as libpq does).
     #[serde(default)]
     pub tls: Option<DatabaseTls>,
+    /// What sits between idem and PostgreSQL: `"none"` (the default), or a connection pooler
+    /// (PgBouncer, RDS Proxy, Supavisor …) by its pool mode, `"session"` or `"transaction"`.
+    /// Behind transaction pooling no session state lasts past a transaction, so idem names no
+    /// prepared statement and sets its server settings in every transaction.
+    #[serde(default)]
+    pub pooling: Pooling,
+}
+
+/// `[database] pooling`: how a connection pooler in front of PostgreSQL hands out its
+/// server connections, as its `pool_mode` says.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Pooling {
+    /// A connection is PostgreSQL's own session (no pooler, or one of session pooling).
+    #[default]
+    None,
+    /// A pooler that gives each client connection one server connection until it closes:
+    /// the same as none for idem.
+    Session,
+    /// A pooler that gives a client connection a server connection for one transaction at a
+    /// time.
+    Transaction,
+}
+
+impl Pooling {
+    /// Whether session state (prepared statements, `SET`, advisory locks) lasts only as
+    /// long as a transaction.
+    pub fn per_transaction(self) -> bool {
+        self == Pooling::Transaction
+    }
 }
 
 /// The `[database.tls]` table. Relative paths resolve against the config file's directory.
@@ -70,9 +107,18 @@ pub enum SslMode {
 }
 
 impl DatabaseConfig {
-    /// The table as loaded: its TLS files resolved against the config file's directory.
-    pub(super) fn checked(mut self, document: &Document) -> DatabaseConfig {
-        if let Some(tls) = &mut self.tls {
+    /// The table as loaded: its host list checked, its TLS files resolved against the config
+    /// file's directory.
+    pub(super) fn checked(
+        table: Spanned<DatabaseConfig>,
+        document: &Document,
+    ) -> Result<DatabaseConfig, ConfigError> {
+        let span = Some(table.span());
+        let mut database = table.into_inner();
+        database
+            .hosts()
+            .map_err(|problem| document.at(span, "database.url", problem))?;
+        if let Some(tls) = &mut database.tls {
             for path in [&mut tls.root_cert, &mut tls.cert, &mut tls.key]
                 .into_iter()
                 .flatten()
@@ -80,7 +126,88 @@ impl DatabaseConfig {
                 *path = document.resolve(path);
             }
         }
-        self
+        Ok(database)
+    }
+
+    /// The servers `url` names, each as a URL of its own.
+    pub fn hosts(&self) -> Result<Hosts, String> {
+        Hosts::of(&self.url)
+    }
+}
+
+/// The servers a `[database] url` names: one, or libpq's list of hosts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hosts {
+    /// One URL per host, in the list's order: the list replaced by that host, without
+    /// `target_session_attrs` (which no single connection takes).
+    pub urls: Vec<String>,
+    /// Only a host that takes writes will do (`SHOW transaction_read_only` is `off`).
+    pub read_write: bool,
+}
+
+impl Hosts {
+    fn of(url: &str) -> Result<Hosts, String> {
+        let Some((scheme, rest)) = url.split_once("://") else {
+            // libpq's `key=value` form: one host, as sqlx reads it.
+            return Ok(Hosts {
+                urls: vec![url.to_string()],
+                read_write: false,
+            });
+        };
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        let (user, list) = match authority.rsplit_once('@') {
+            Some((user, list)) => (format!("{user}@"), list),
+            None => (String::new(), authority),
+        };
+        let (tail, attributes) = without_parameter(tail, "target_session_attrs");
+        let hosts: Vec<&str> = list.split(',').collect();
+        if hosts.len() > 1 && hosts.iter().any(|host| host.is_empty()) {
+            return Err(format!(
+                "{:?} lists an empty host",
+                crate::config::redact_url(url)
+            ));
+        }
+        let read_write = match attributes.as_deref() {
+            None => hosts.len() > 1,
+            Some("any") => false,
+            Some("read-write" | "primary") => true,
+            Some(other) => {
+                return Err(format!(
+                    "target_session_attrs={other}: idem writes, so it takes read-write, primary or any"
+                ));
+            }
+        };
+        Ok(Hosts {
+            urls: hosts
+                .iter()
+                .map(|host| format!("{scheme}://{user}{host}{tail}"))
+                .collect(),
+            read_write,
+        })
+    }
+}
+
+/// `tail` (a URL's path and query) without the query parameter `name`, and its value.
+fn without_parameter(tail: &str, name: &str) -> (String, Option<String>) {
+    let Some((path, query)) = tail.split_once('?') else {
+        return (tail.to_string(), None);
+    };
+    let mut value = None;
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| match pair.split_once('=') {
+            Some((key, found)) if key == name => {
+                value = Some(found.to_string());
+                false
+            }
+            _ => true,
+        })
+        .collect();
+    if kept.is_empty() {
+        (path.to_string(), value)
+    } else {
+        (format!("{path}?{}", kept.join("&")), value)
     }
 }
 

@@ -22,7 +22,7 @@ mod source;
 mod text;
 mod tls;
 
-pub use database::{DatabaseConfig, DatabaseTls, SslMode};
+pub use database::{DatabaseConfig, DatabaseTls, Hosts, Pooling, SslMode};
 pub use http::HttpConfig;
 pub use outbox::{Destination, OutboxConfig};
 pub use pipeline::{
@@ -78,7 +78,8 @@ pub enum ConfigError {
 )]
 struct PipelinesFile {
     /// PostgreSQL: the claims, the effects and the outbox live there.
-    database: DatabaseConfig,
+    #[schemars(with = "DatabaseConfig")]
+    database: Spanned<DatabaseConfig>,
     /// RabbitMQ: the broker of every pipeline that consumes a RabbitMQ queue and of every
     /// outbox destination that publishes to an exchange, which need it.
     #[schemars(with = "Option<AmqpConfig>")]
@@ -111,7 +112,7 @@ impl Config {
         let document = Document { path, text };
         let file: PipelinesFile =
             toml::from_str(text).map_err(|error| document.invalid(error.to_string()))?;
-        let database = file.database.checked(&document);
+        let database = DatabaseConfig::checked(file.database, &document)?;
         let amqp = file
             .amqp
             .map(|table| AmqpConfig::checked(table, &document))

@@ -415,3 +415,56 @@ fn the_schema_names_every_table_and_pipeline_key() {
         "defaults are described, not generated"
     );
 }
+
+/// `[database] url` as libpq reads it: one host or a list, each host a URL of its own, and
+/// whether only a host that takes writes will do.
+#[test]
+fn a_database_url_may_list_hosts() {
+    let with_url = |url: &str| VALID.replace("postgres://127.0.0.1/db", url);
+    let hosts = |url: &str| {
+        Config::from_toml(Path::new("/etc/idem/pipelines.toml"), &with_url(url))
+            .expect("valid config")
+            .database
+            .hosts()
+            .expect("hosts")
+    };
+    let one = hosts("postgres://idem:secret@db:5432/orders?sslmode=require");
+    assert_eq!(
+        one.urls,
+        ["postgres://idem:secret@db:5432/orders?sslmode=require"]
+    );
+    assert!(!one.read_write, "one host, no attribute: whatever answers");
+    let two = hosts(
+        "postgres://idem:secret@db1:5433,db2/orders?sslmode=require&target_session_attrs=read-write",
+    );
+    assert_eq!(
+        two.urls,
+        [
+            "postgres://idem:secret@db1:5433/orders?sslmode=require",
+            "postgres://idem:secret@db2/orders?sslmode=require",
+        ]
+    );
+    assert!(two.read_write);
+    assert!(
+        hosts("postgres://a,b/db").read_write,
+        "the default with a list"
+    );
+    assert!(!hosts("postgres://a,b/db?target_session_attrs=any").read_write);
+    assert!(hosts("postgres://a/db?target_session_attrs=primary").read_write);
+    assert_eq!(
+        hosts("postgres://[::1]:5432,[::2]:5433/db").urls,
+        ["postgres://[::1]:5432/db", "postgres://[::2]:5433/db"]
+    );
+    check_error(
+        &with_url("postgres://a,,b/db"),
+        &["line 2", "database.url", "lists an empty host"],
+    );
+    check_error(
+        &with_url("postgres://a,b/db?target_session_attrs=standby"),
+        &[
+            "database.url",
+            "target_session_attrs=standby",
+            "read-write, primary or any",
+        ],
+    );
+}

@@ -233,7 +233,7 @@ async fn ready(State(state): State<AppState>) -> impl IntoResponse {
     let mut problems = Vec::new();
     let database = tokio::time::timeout(
         Duration::from_secs(2),
-        sqlx::query("SELECT 1").execute(&state.pool),
+        sqlx::raw_sql("SELECT 1").execute(&state.pool),
     )
     .await;
     match database {

@@ -11,8 +11,10 @@ use tracing::{info, warn};
 
 use crate::backoff::Backoff;
 use crate::config::{DatabaseConfig, DatabaseTls, SslMode, redact_url};
+use crate::store::bookkeeping;
 use crate::store::fault::DatabaseFailure;
-use crate::store::session::{SessionError, SessionPool};
+use crate::store::primary::{self, Candidates};
+use crate::store::session::{SessionError, SessionPool, Setup};
 use crate::tls::Verify;
 
 /// The host's own tables (`processed_messages`), embedded at build time.
@@ -69,12 +71,29 @@ pub struct Database {
 /// retention, partition upkeep and the admin endpoints share them.
 const BOOKKEEPING_CONNECTIONS: u32 = 4;
 
-/// Where and how to connect, resolved once from the URL, `[database.tls]` and libpq's
-/// environment variables (`PGPASSWORD`, `PGSSLMODE` …, and `~/.pgpass`) by sqlx's parser;
-/// the sessions read the same resolution back, so both kinds of connection agree.
-fn resolve(config: &DatabaseConfig) -> Result<PgConnectOptions, DatabaseError> {
-    let mut options: PgConnectOptions = config
-        .url
+/// Resolves `[database] url` once, with `[database.tls]` and libpq's environment variables
+/// (`PGPASSWORD`, `PGSSLMODE` …, and `~/.pgpass`), by sqlx's parser, host by host; the
+/// sessions read the same resolution back, so both kinds of connection agree.
+fn resolve(config: &DatabaseConfig) -> Result<Candidates, DatabaseError> {
+    let hosts = config.hosts().map_err(|reason| DatabaseError::Refused {
+        endpoint: redact_url(&config.url),
+        reason,
+        setting: "[database] url",
+    })?;
+    let options = hosts
+        .urls
+        .iter()
+        .map(|url| resolve_host(config, url))
+        .collect::<Result<_, _>>()?;
+    Ok(Candidates {
+        hosts: options,
+        read_write: hosts.read_write,
+        is_refusal: |error| refused_setting(error).is_some(),
+    })
+}
+
+fn resolve_host(config: &DatabaseConfig, url: &str) -> Result<PgConnectOptions, DatabaseError> {
+    let mut options: PgConnectOptions = url
         .parse()
         .map_err(|source| connect_error(config, source))?;
     if let Some(tls) = &config.tls {
@@ -84,7 +103,9 @@ fn resolve(config: &DatabaseConfig) -> Result<PgConnectOptions, DatabaseError> {
         // Visible in pg_stat_activity, so an operator can tell idem's sessions apart.
         options = options.application_name("idem");
     }
-    Ok(options.options(session_settings(config)))
+    // Only startup parameters a connection pooler passes on: sqlx's `extra_float_digits` is
+    // not one (PgBouncer refuses it), and idem decodes floats in binary anyway.
+    Ok(options.extra_float_digits(None))
 }
 
 fn connect_error(config: &DatabaseConfig, source: sqlx::Error) -> DatabaseError {
@@ -115,15 +136,45 @@ pub async fn connect_once(config: &DatabaseConfig) -> Result<PgPool, DatabaseErr
     pool(config, &resolve(config)?, config.max_connections.get()).await
 }
 
+/// The bookkeeping pool, on the first host that answers (and takes writes, when only such a
+/// host will do; see `primary`).
 async fn pool(
     config: &DatabaseConfig,
-    options: &PgConnectOptions,
+    candidates: &Candidates,
     max_connections: u32,
 ) -> Result<PgPool, DatabaseError> {
+    let options = primary::find(candidates)
+        .await
+        .map_err(|source| connect_error(config, source))?;
+    let settings = match setup(config) {
+        Setup::PerConnection(settings) => Some(settings),
+        Setup::PerTransaction(_) => None,
+    };
+    let read_write = candidates.read_write;
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options.clone())
+        .after_connect(move |connection, _| {
+            let settings = settings.clone();
+            Box::pin(async move {
+                if let Some(settings) = settings {
+                    sqlx::Executor::execute(&mut *connection, settings.as_str()).await?;
+                }
+                if read_write {
+                    primary::guard_connect(connection).await?;
+                }
+                Ok(())
+            })
+        })
+        .before_acquire(move |connection, _| {
+            Box::pin(async move {
+                if read_write {
+                    return primary::guard_reuse(connection).await;
+                }
+                Ok(true)
+            })
+        })
+        .connect_with(options)
         .await
         .map_err(|source| connect_error(config, source))
 }
@@ -131,10 +182,15 @@ async fn pool(
 /// Opens the bookkeeping pool and the sessions, trying once; one session is opened now, so
 /// a refusal is known at start. `[database] max_connections` bounds the sessions.
 pub async fn open(config: &DatabaseConfig) -> Result<Database, DatabaseError> {
-    let options = resolve(config)?;
+    let candidates = resolve(config)?;
     let max_sessions = config.max_connections.get();
-    let pool = pool(config, &options, max_sessions.min(BOOKKEEPING_CONNECTIONS)).await?;
-    let sessions = sessions(config, &options, max_sessions)?;
+    let pool = pool(
+        config,
+        &candidates,
+        max_sessions.min(BOOKKEEPING_CONNECTIONS),
+    )
+    .await?;
+    let sessions = sessions(config, &candidates, max_sessions)?;
     sessions
         .acquire()
         .await
@@ -145,29 +201,29 @@ pub async fn open(config: &DatabaseConfig) -> Result<Database, DatabaseError> {
                 source,
             },
         })?;
+    if candidates.hosts.len() > 1 {
+        primary::watch(pool.clone(), candidates);
+    }
     Ok(Database { pool, sessions })
 }
 
-/// The sessions' connection settings, read back from sqlx's resolution of `options`.
+/// The sessions' connection settings, read back from sqlx's resolution of each host: every
+/// host in the URL's order, passing over one that takes no writes when only such a host
+/// will do (tokio-postgres tries them on each new connection).
 fn sessions(
     config: &DatabaseConfig,
-    options: &PgConnectOptions,
+    candidates: &Candidates,
     max_sessions: u32,
 ) -> Result<SessionPool, DatabaseError> {
-    let resolved = options.to_url_lossy();
+    let options = &candidates.hosts[0];
+    let url = options.to_url_lossy();
     let parameter = |name: &str| {
-        resolved
-            .query_pairs()
+        url.query_pairs()
             .find(|(key, _)| key == name)
             .map(|(_, value)| value.into_owned())
     };
-    let mut session = tokio_postgres::Config::new();
-    match options.get_socket() {
-        Some(directory) => session.host_path(directory),
-        None => session.host(options.get_host()),
-    };
+    let mut session = session_hosts(candidates);
     session
-        .port(options.get_port())
         .user(options.get_username())
         .application_name(options.get_application_name().unwrap_or("idem"))
         .connect_timeout(Duration::from_secs(5))
@@ -179,7 +235,7 @@ fn sessions(
     if let Some(database) = options.get_database() {
         session.dbname(database);
     }
-    if let Some(password) = resolved.password() {
+    if let Some(password) = url.password() {
         session.password(percent_encoding::percent_decode_str(password).collect::<Vec<u8>>());
     }
     if let Some(settings) = options.get_options() {
@@ -194,7 +250,7 @@ fn sessions(
     let (wire, verify) = match options.get_ssl_mode() {
         PgSslMode::Disable | PgSslMode::Allow => {
             session.ssl_mode(Wire::Disable);
-            return Ok(SessionPool::new(session, None, max_sessions));
+            return Ok(SessionPool::new(session, setup(config), None, max_sessions));
         }
         PgSslMode::Prefer => (Wire::Prefer, Verify::Nothing),
         PgSslMode::Require => (Wire::Require, Verify::Nothing),
@@ -219,9 +275,27 @@ fn sessions(
     })?;
     Ok(SessionPool::new(
         session,
+        setup(config),
         Some(MakeRustlsConnect::new(tls)),
         max_sessions,
     ))
+}
+
+/// A sessions' configuration with every host in the URL's order, passing over one that takes
+/// no writes when only such a host will do.
+fn session_hosts(candidates: &Candidates) -> tokio_postgres::Config {
+    let mut session = tokio_postgres::Config::new();
+    for host in &candidates.hosts {
+        match host.get_socket() {
+            Some(directory) => session.host_path(directory),
+            None => session.host(host.get_host()),
+        };
+        session.port(host.get_port());
+    }
+    if candidates.read_write {
+        session.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
+    }
+    session
 }
 
 /// The `[database.tls]` settings over the URL's.
@@ -260,11 +334,21 @@ fn session_refused_setting(error: &SessionError) -> Option<&'static str> {
         .or_else(|| crate::tls::chain_carries_tls_error(postgres_error).then_some(TLS_SETTINGS))
 }
 
-/// The setting to change when the server refused the credentials or the database.
+/// The setting to change when the server refused the credentials or the database, or a
+/// connection pooler refused a startup parameter (PgBouncer allows only a few unless its
+/// `ignore_startup_parameters` lists more).
 fn refused_by_server(error: &impl DatabaseFailure) -> Option<&'static str> {
     match error.sqlstate().as_deref() {
         Some("28P01" | "28000") => Some("the user and password in [database] url"),
         Some("3D000") => Some("the database name in [database] url"),
+        _ if error
+            .server_message()
+            .is_some_and(|message| message.contains("unsupported startup parameter")) =>
+        {
+            Some(
+                "the parameters of [database] url (a connection pooler refuses a startup parameter: drop it from the URL, or list it in the pooler's ignore_startup_parameters)",
+            )
+        }
         _ => None,
     }
 }
@@ -287,10 +371,13 @@ fn refused_setting(error: &sqlx::Error) -> Option<&'static str> {
 /// How the pool's sessions talk to the server: `TLSv1.3 TLS_AES_256_GCM_SHA384`, or
 /// `not encrypted`.
 pub async fn encryption(pool: &PgPool) -> Result<String, sqlx::Error> {
-    let row: Option<(bool, Option<String>, Option<String>)> =
-        sqlx::query_as("SELECT ssl, version, cipher FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
-            .fetch_optional(pool)
-            .await?;
+    let mut transaction = pool.begin().await?;
+    let row: Option<(bool, Option<String>, Option<String>)> = bookkeeping::query_as(
+        "SELECT ssl, version, cipher FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+    )
+    .fetch_optional(&mut *transaction)
+    .await?;
+    transaction.commit().await?;
     Ok(match row {
         Some((true, version, cipher)) => format!(
             "{} {}",
@@ -301,22 +388,31 @@ pub async fn encryption(pool: &PgPool) -> Result<String, sqlx::Error> {
     })
 }
 
-/// Server settings of every host session, sent at connect: the server ends a session left
-/// idle inside a transaction (so a vanished host's claim locks are released) and probes a
-/// silent client with TCP keepalives, so a half-open connection does not live on.
-fn session_settings(config: &DatabaseConfig) -> Vec<(&'static str, String)> {
+/// The server settings of idem's connections, and where they are set. The server ends a
+/// session left idle inside a transaction (so a vanished host's claim locks are released)
+/// and probes a silent client with TCP keepalives, so a half-open connection does not live
+/// on. Never as startup parameters (`options`), which poolers refuse: as `SET`s once a
+/// connection opens, or, behind a transaction pooler, where a session's `SET` would land on
+/// some other client's server connection, as a `SET LOCAL` opening each message
+/// transaction (the server's keepalives would probe the pooler, which has its own).
+fn setup(config: &DatabaseConfig) -> Setup {
+    let idle = config.idle_in_transaction_timeout.as_millis();
+    if config.pooling.per_transaction() {
+        return Setup::PerTransaction(format!(
+            "SET LOCAL idle_in_transaction_session_timeout = {idle}; "
+        ));
+    }
     let keepalive = config.keepalive.as_secs().max(1);
-    vec![
-        (
-            "idle_in_transaction_session_timeout",
-            config.idle_in_transaction_timeout.as_millis().to_string(),
-        ),
-        ("tcp_keepalives_idle", keepalive.to_string()),
-        ("tcp_keepalives_interval", keepalive.div_ceil(3).to_string()),
-        ("tcp_keepalives_count", "3".to_string()),
+    Setup::PerConnection(format!(
+        "SET idle_in_transaction_session_timeout = {idle}; \
+         SET tcp_keepalives_idle = {keepalive}; \
+         SET tcp_keepalives_interval = {}; \
+         SET tcp_keepalives_count = 3; \
+         SET tcp_user_timeout = {}",
+        keepalive.div_ceil(3),
         // Unacknowledged data to a vanished client is given up after twice the keepalive.
-        ("tcp_user_timeout", (keepalive * 2000).to_string()),
-    ]
+        keepalive * 2000,
+    ))
 }
 
 /// Opens the pool and the sessions, retrying with backoff while PostgreSQL is unreachable. Returns
@@ -350,14 +446,73 @@ pub async fn connect(
 }
 
 /// Applies the host's migrations.
+///
+/// In one transaction, under a transaction-scoped advisory lock, so two hosts migrating at
+/// once take turns, and nothing outlives the transaction (safe behind a transaction
+/// pooler, where sqlx's migrator, holding a session lock and named statements, is not). The
+/// history is sqlx's `_sqlx_migrations`, as earlier versions of idem wrote it.
 pub async fn migrate(pool: &PgPool, config: &DatabaseConfig) -> Result<(), DatabaseError> {
-    MIGRATOR
-        .run(pool)
+    apply_migrations(pool)
         .await
         .map_err(|source| DatabaseError::Migrate {
             endpoint: redact_url(&config.url),
             source,
         })
+}
+
+/// The advisory lock key migrations take (`idem-migrate`).
+const MIGRATION_LOCK: i64 = 0x1de3_0000_0000_0002;
+
+async fn apply_migrations(pool: &PgPool) -> Result<(), MigrateError> {
+    let mut transaction = pool.begin().await?;
+    bookkeeping::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(MIGRATION_LOCK)
+        .execute(&mut *transaction)
+        .await?;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS _sqlx_migrations (\
+           version bigint PRIMARY KEY, description text NOT NULL, \
+           installed_on timestamptz NOT NULL DEFAULT now(), success boolean NOT NULL, \
+           checksum bytea NOT NULL, execution_time bigint NOT NULL)",
+    )
+    .execute(&mut *transaction)
+    .await?;
+    let applied: Vec<(i64, Vec<u8>, bool)> =
+        bookkeeping::query_as("SELECT version, checksum, success FROM _sqlx_migrations")
+            .fetch_all(&mut *transaction)
+            .await?;
+    for migration in MIGRATOR.iter() {
+        if migration.migration_type.is_down_migration() {
+            continue;
+        }
+        match applied
+            .iter()
+            .find(|(version, ..)| *version == migration.version)
+        {
+            Some((version, _, false)) => return Err(MigrateError::Dirty(*version)),
+            Some((version, checksum, true)) if *checksum != *migration.checksum => {
+                return Err(MigrateError::VersionMismatch(*version));
+            }
+            Some(_) => continue,
+            None => {}
+        }
+        let started = std::time::Instant::now();
+        sqlx::raw_sql(&migration.sql)
+            .execute(&mut *transaction)
+            .await?;
+        bookkeeping::query(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+             VALUES ($1, $2, true, $3, $4)",
+        )
+        .bind(migration.version)
+        .bind(&*migration.description)
+        .bind(&*migration.checksum)
+        .bind(i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX))
+        .execute(&mut *transaction)
+        .await?;
+    }
+    transaction.commit().await?;
+    Ok(())
 }
 
 /// Fails unless the host's tables (claims, and the outbox when `outbox` is configured) exist
@@ -377,14 +532,16 @@ pub async fn check_schema(
              last_error, delivered_at, parked_at FROM idem_outbox LIMIT 0",
         );
     }
+    let schema_error = |source| DatabaseError::Schema {
+        endpoint: redact_url(&config.url),
+        source,
+    };
     for probe in probes {
-        sqlx::query(probe)
+        // No parameters: the simple protocol, one exchange (see `bookkeeping`).
+        sqlx::raw_sql(probe)
             .execute(pool)
             .await
-            .map_err(|source| DatabaseError::Schema {
-                endpoint: redact_url(&config.url),
-                source,
-            })?;
+            .map_err(schema_error)?;
     }
     Ok(())
 }

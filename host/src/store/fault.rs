@@ -39,8 +39,23 @@ const MESSAGE_CLASSES: [&str; 6] = ["21", "22", "23", "44", "54", "P0"];
 /// SQLSTATE classes that say the configuration or schema is wrong: syntax or access rule
 /// (42: undefined table, permission denied), authorization (28), invalid role or grantor
 /// (0L, 0P), dependent privileges (2B), routine errors (2F, 38, 39), unknown database or
-/// schema (3D, 3F).
-const CONFIG_CLASSES: [&str; 10] = ["42", "28", "0L", "0P", "2B", "2F", "38", "39", "3D", "3F"];
+/// schema (3D, 3F), a prepared statement missing (26: a transaction pooler lent the session
+/// another server connection, see `hint`).
+const CONFIG_CLASSES: [&str; 11] = [
+    "42", "28", "0L", "0P", "2B", "2F", "38", "39", "3D", "3F", "26",
+];
+
+/// What to change, for a failure whose cause is known to be one setting.
+fn hint(code: &str) -> Option<&'static str> {
+    match code {
+        // A statement this session prepared is gone, or one of another client is there: the
+        // server connection changed between transactions.
+        "26000" | "42P05" => Some(
+            "a transaction pooler is in front of PostgreSQL: set [database] pooling = \"transaction\"",
+        ),
+        _ => None,
+    }
+}
 
 /// A database error as this module reads it: the SQLSTATE and the server's own words, when
 /// the server sent an error; both drivers' errors are read the same way.
@@ -109,6 +124,12 @@ pub fn is_stale_plan(error: &impl DatabaseFailure) -> bool {
     error.sqlstate().as_deref() == Some("0A000")
 }
 
+/// The server takes no writes (25006: a standby, a demoted primary, or
+/// `default_transaction_read_only`).
+pub fn is_read_only(error: &impl DatabaseFailure) -> bool {
+    error.sqlstate().as_deref() == Some("25006")
+}
+
 /// Serialization failures and deadlocks: the transaction lost a race and may simply be run
 /// again. Counted against the pipeline's retry budget, unlike connection errors.
 pub fn is_conflict(error: &impl DatabaseFailure) -> bool {
@@ -120,10 +141,14 @@ pub fn retry_label(error: &impl DatabaseFailure) -> String {
     error.sqlstate().unwrap_or_else(|| "connection".to_string())
 }
 
-/// The database's own words, with its SQLSTATE when it gave one.
+/// The database's own words, with its SQLSTATE when it gave one, and what to change when
+/// the cause is known.
 pub fn describe(error: &impl DatabaseFailure) -> String {
     match (error.server_message(), error.sqlstate()) {
-        (Some(message), Some(code)) => format!("{message} (SQLSTATE {code})"),
+        (Some(message), Some(code)) => match hint(&code) {
+            Some(hint) => format!("{message} (SQLSTATE {code}); {hint}"),
+            None => format!("{message} (SQLSTATE {code})"),
+        },
         (Some(message), None) => message,
         _ => error.to_string(),
     }

@@ -14,15 +14,15 @@ use std::task::Poll;
 
 use futures::future::maybe_done;
 
-use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, Row, Statement};
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Row};
 
 use crate::config::{ClaimMode, Isolation, PipelineConfig, TransactionConfig};
 use crate::effect::{Decision, Effect};
 use crate::failpoint::Failpoint;
 use crate::store::fault::{self, Fault, Origin};
 use crate::store::outbox::{self, OutboxError, OutboxRow};
-use crate::store::session::{Session, SessionError, SessionPool};
+use crate::store::session::{Prepared, Session, SessionError, SessionPool};
 use crate::store::statement::{
     BoundEffect, BoundValue, EffectError, StatementCatalog, values_as_params,
 };
@@ -252,7 +252,7 @@ async fn apply_on(
     plan: &Plan<'_>,
 ) -> Result<ClaimOutcome, LedgerError> {
     let work = Work::prepare(session, plan, true).await?;
-    let begin = begin_sql(settings);
+    let begin = begin_sql(settings, session.transaction_settings());
     session.set_in_transaction(true);
     let client = session.client();
     let sent = match open(Flight::new(client), &begin, work.claims()).await {
@@ -325,7 +325,8 @@ async fn acquire(sessions: &SessionPool) -> Result<Session, LedgerError> {
 
 /// Hands the session back after a transaction, or abandons it: past the deadline (a
 /// half-open connection, a hung server) it is closed, never reused, and the next try opens a
-/// new one; after an outdated cached plan, a fresh connection plans anew.
+/// new one; after an outdated cached plan, a fresh connection plans anew; on a server that
+/// takes no writes (a demoted primary), a fresh connection finds the one that does.
 fn release<T>(
     session: Session,
     result: Result<Result<T, LedgerError>, tokio::time::error::Elapsed>,
@@ -336,7 +337,9 @@ fn release<T>(
             session.detach();
             Err(LedgerError::Deadline { timeout })
         }
-        Ok(Err(LedgerError::Transient { source })) if fault::is_stale_plan(&source) => {
+        Ok(Err(LedgerError::Transient { source }))
+            if fault::is_stale_plan(&source) || fault::is_read_only(&source) =>
+        {
             session.detach();
             Err(LedgerError::Transient { source })
         }
@@ -411,7 +414,10 @@ async fn apply_batch_optimistic(
         digests: claim_digests,
     } = BulkClaim::of(plans, &order, &mut items);
     let bulk_claim = session
-        .prepared(BULK_CLAIM_SQL)
+        .statement(
+            BULK_CLAIM_SQL,
+            &[Type::TEXT, Type::TEXT_ARRAY, Type::TEXT_ARRAY],
+        )
         .await
         .map_err(host_error("claim"))?;
     let mut works = Vec::with_capacity(plans.len());
@@ -420,7 +426,7 @@ async fn apply_batch_optimistic(
             works.push((index, Work::prepare(session, plans[index], false).await?));
         }
     }
-    let begin = begin_sql(settings);
+    let begin = begin_sql(settings, session.transaction_settings());
     let claim_params: [&(dyn ToSql + Sync); 3] = [&consumer, &claim_keys, &claim_digests];
     session.set_in_transaction(true);
     let client = session.client();
@@ -500,7 +506,7 @@ async fn apply_batch_isolating(
         }
         works.push((index, Work::prepare(session, plan, true).await?));
     }
-    let begin = begin_sql(settings);
+    let begin = begin_sql(settings, session.transaction_settings());
     session.set_in_transaction(true);
     match run_isolated(session.client(), &begin, &works, &mut items).await {
         Ok(isolated) if isolated.applied > 0 => {
@@ -591,10 +597,11 @@ async fn commit_isolated(client: &Client, undo_last: bool) -> Result<Vec<Reply>,
     last.send().await
 }
 
-/// The statements that open a transaction: isolation and server-side timeouts, then the
-/// mark the claims look for (`inside_open_transaction!`).
-fn begin_sql(settings: &TransactionConfig) -> String {
-    format!("{}; {MARK_OPEN}", opening_sql(settings))
+/// The statements that open a transaction: isolation and server-side timeouts, the
+/// session's own settings behind a transaction pooler (`Session::transaction_settings`),
+/// then the mark the claims look for (`inside_open_transaction!`).
+fn begin_sql(settings: &TransactionConfig, session_settings: &str) -> String {
+    format!("{}; {session_settings}{MARK_OPEN}", opening_sql(settings))
 }
 
 /// `BEGIN` with the pipeline's isolation, and its server-side timeouts, in one round trip.
@@ -642,12 +649,16 @@ struct Work<'p> {
     plan: &'p Plan<'p>,
     /// The partition lock and the claim, with their values (ledger claims, unless taken in
     /// bulk).
-    claim: Option<(Option<Statement>, Statement, [&'p (dyn ToSql + Sync); 3])>,
+    claim: Option<(
+        Option<Prepared<'static>>,
+        Prepared<'static>,
+        [&'p (dyn ToSql + Sync); 3],
+    )>,
     role: Option<String>,
     /// Each effect's statement as this session prepared it, with its values bound again
     /// when the session's parameter types differ from the catalog's (after a migration).
-    effects: Vec<(Statement, Option<Vec<BoundValue>>)>,
-    outbox: Option<Statement>,
+    effects: Vec<(Prepared<'p>, Option<Vec<BoundValue>>)>,
+    outbox: Option<Prepared<'static>>,
 }
 
 impl<'p> Work<'p> {
@@ -667,7 +678,7 @@ impl<'p> Work<'p> {
                 let lock = if *partitioned {
                     Some(
                         session
-                            .prepared(PARTITIONED_LOCK_SQL)
+                            .statement(PARTITIONED_LOCK_SQL, &[Type::TEXT, Type::TEXT])
                             .await
                             .map_err(host_error("claim"))?,
                     )
@@ -679,7 +690,10 @@ impl<'p> Work<'p> {
                 } else {
                     CLAIM_SQL
                 };
-                let statement = session.prepared(sql).await.map_err(host_error("claim"))?;
+                let statement = session
+                    .statement(sql, &[Type::TEXT, Type::TEXT, Type::TEXT])
+                    .await
+                    .map_err(host_error("claim"))?;
                 let values: [&'p (dyn ToSql + Sync); 3] = [consumer, &plan.key, plugin_digest];
                 Some((lock, statement, values))
             }
@@ -694,7 +708,7 @@ impl<'p> Work<'p> {
         } else {
             Some(
                 session
-                    .prepared(outbox::INSERT_SQL)
+                    .statement(outbox::INSERT_SQL, &outbox::INSERT_TYPES)
                     .await
                     .map_err(host_error("outbox"))?,
             )
@@ -715,16 +729,25 @@ impl<'p> Work<'p> {
     /// before a migration is prepared again when its types differ from the catalog's, and
     /// the values are bound again for the server's types now (the catalog learns them).
     /// Nothing is sent for a value that does not bind (see `BindError`: a configuration
-    /// fault, or the message's for a value out of range).
+    /// fault, or the message's for a value out of range). Behind a transaction pooler the
+    /// statement is unnamed and declares the values' own types: the server converts them to
+    /// its types now, or refuses (42804, a configuration fault).
     async fn prepare_effect(
         session: &mut Session,
-        effect: &BoundEffect<'_>,
-    ) -> Result<(Statement, Option<Vec<BoundValue>>), LedgerError> {
+        effect: &BoundEffect<'p>,
+    ) -> Result<(Prepared<'p>, Option<Vec<BoundValue>>), LedgerError> {
+        if !session.names_statements() {
+            let unnamed = Prepared::Unnamed {
+                sql: effect.sql,
+                types: effect.types(),
+            };
+            return Ok((unnamed, None));
+        }
         let failed = |source| classify(source, effect.statement, Origin::Effect);
         let cached = session.has_prepared(effect.sql);
         let mut statement = session.prepared(effect.sql).await.map_err(failed)?;
         if effect.fits(statement.params()) {
-            return Ok((statement, None));
+            return Ok((Prepared::Named(statement), None));
         }
         if cached {
             statement = session.prepare_again(effect.sql).await.map_err(failed)?;
@@ -732,7 +755,7 @@ impl<'p> Work<'p> {
         let values = effect
             .for_session(statement.params())
             .map_err(|error| failed(error.into()))?;
-        Ok((statement, Some(values)))
+        Ok((Prepared::Named(statement), Some(values)))
     }
 
     /// Whether `decide` runs a host claim (guarded by `inside_open_transaction!`) rather than
@@ -915,29 +938,45 @@ impl<'f> Flight<'f> {
 
     fn execute(
         &mut self,
-        statement: &'f Statement,
+        statement: &'f Prepared<'f>,
         values: impl AsRef<[&'f (dyn ToSql + Sync)]> + Send + 'f,
         label: &'f str,
         origin: Origin,
     ) {
         let client = self.client;
         self.push(label, origin, async move {
-            client
-                .execute(statement, values.as_ref())
-                .await
-                .map(Reply::Rows)
+            match statement {
+                Prepared::Named(statement) => client
+                    .execute(statement, values.as_ref())
+                    .await
+                    .map(Reply::Rows),
+                Prepared::Unnamed { sql, types } => {
+                    let typed = values.as_ref().iter().copied().zip(types.iter().cloned());
+                    let rows = client.query_typed_raw(sql, typed).await?;
+                    let mut rows = std::pin::pin!(rows);
+                    while futures::TryStreamExt::try_next(&mut rows).await?.is_some() {}
+                    Ok(Reply::Rows(rows.rows_affected().unwrap_or(0)))
+                }
+            }
         });
     }
 
     fn query(
         &mut self,
-        statement: &'f Statement,
+        statement: &'f Prepared<'f>,
         values: &'f [&'f (dyn ToSql + Sync)],
         label: &'f str,
     ) {
         let client = self.client;
         self.push(label, Origin::Host, async move {
-            client.query(statement, values).await.map(Reply::Returned)
+            match statement {
+                Prepared::Named(statement) => client.query(statement, values).await,
+                Prepared::Unnamed { sql, types } => {
+                    let typed: Vec<_> = values.iter().copied().zip(types.iter().cloned()).collect();
+                    client.query_typed(sql, &typed).await
+                }
+            }
+            .map(Reply::Returned)
         });
     }
 
@@ -1060,10 +1099,12 @@ mod tests {
             .batch_execute("CREATE TEMPORARY TABLE flight_rows (n int8)")
             .await
             .expect("temporary table");
-        let insert = client
-            .prepare("INSERT INTO flight_rows (n) VALUES ($1)")
-            .await
-            .expect("prepare");
+        let insert = Prepared::Named(
+            client
+                .prepare("INSERT INTO flight_rows (n) VALUES ($1)")
+                .await
+                .expect("prepare"),
+        );
         let (one, two, refused) = (1_i64, 2_i64, 3_i32);
         let mut flight = Flight::new(&client);
         flight.simple("BEGIN", "begin");
@@ -1124,7 +1165,7 @@ mod tests {
             )
             .await
             .expect("temporary ledger");
-        let begin = begin_sql(&TransactionConfig::default());
+        let begin = begin_sql(&TransactionConfig::default(), "");
         let keys = vec!["k".to_string()];
         let digests = vec!["d".to_string()];
         let claims: [(&str, [&(dyn ToSql + Sync); 3]); 3] = [

@@ -10,6 +10,9 @@ use std::time::Duration;
 
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
+use crate::store::bookkeeping;
+use tokio_postgres::types::Type;
+
 use crate::config::OutboxConfig;
 use crate::effect::OutboxMessage;
 
@@ -38,6 +41,15 @@ pub enum OutboxError {
 pub(crate) const INSERT_SQL: &str = "INSERT INTO idem_outbox \
      (consumer, message_key, destination, idempotency_key, payload, headers) \
      VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT ON CONSTRAINT idem_outbox_once DO NOTHING";
+/// `INSERT_SQL`'s parameter types, for its unnamed statement behind a transaction pooler.
+pub(crate) const INSERT_TYPES: [Type; 6] = [
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::BYTEA,
+    Type::JSONB,
+];
 
 /// Pending rows this relay may take; rows another relay holds are skipped, not waited for.
 const TAKE_SQL: &str = "SELECT id, destination, idempotency_key, payload, headers, attempts \
@@ -134,7 +146,7 @@ pub async fn take(
     let mut transaction = pool
         .begin_with("BEGIN; SET LOCAL idle_in_transaction_session_timeout = 0")
         .await?;
-    let rows = sqlx::query(TAKE_SQL)
+    let rows = bookkeeping::query(TAKE_SQL)
         .bind(i64::from(batch.get()))
         .fetch_all(&mut *transaction)
         .await?;
@@ -171,7 +183,7 @@ pub async fn record(
 ) -> Result<(), sqlx::Error> {
     match attempt {
         Attempt::Delivered => {
-            sqlx::query(DELIVERED_SQL)
+            bookkeeping::query(DELIVERED_SQL)
                 .bind(id)
                 .execute(&mut **transaction)
                 .await?;
@@ -181,7 +193,7 @@ pub async fn record(
             retry_in,
             park,
         } => {
-            sqlx::query(FAILED_SQL)
+            bookkeeping::query(FAILED_SQL)
                 .bind(id)
                 .bind(error)
                 .bind(retry_in.as_secs_f64())
@@ -197,12 +209,14 @@ pub async fn record(
 pub async fn clean(pool: &PgPool, retention: Duration) -> Result<u64, sqlx::Error> {
     let mut deleted = 0;
     loop {
-        let batch = sqlx::query(CLEAN_SQL)
+        let mut transaction = pool.begin().await?;
+        let batch = bookkeeping::query(CLEAN_SQL)
             .bind(retention.as_secs_f64())
             .bind(10_000_i64)
-            .execute(pool)
+            .execute(&mut *transaction)
             .await?
             .rows_affected();
+        transaction.commit().await?;
         deleted += batch;
         if batch == 0 {
             return Ok(deleted);
@@ -220,14 +234,16 @@ pub struct Backlog {
 
 /// Counts the outbox rows by state.
 pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
-    let row = sqlx::query(
+    let mut transaction = pool.begin().await?;
+    let row = bookkeeping::query(
         "SELECT count(*) FILTER (WHERE delivered_at IS NULL AND parked_at IS NULL) AS pending, \
                 count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked, \
                 count(*) FILTER (WHERE delivered_at IS NOT NULL) AS delivered \
          FROM idem_outbox",
     )
-    .fetch_one(pool)
+    .fetch_one(&mut *transaction)
     .await?;
+    transaction.commit().await?;
     Ok(Backlog {
         pending: row.try_get("pending")?,
         parked: row.try_get("parked")?,
@@ -271,7 +287,8 @@ pub async fn undelivered(
     parked_only: bool,
     limit: i64,
 ) -> Result<Vec<Undelivered>, sqlx::Error> {
-    sqlx::query_as(
+    let mut transaction = pool.begin().await?;
+    let rows = bookkeeping::query_as(
         "SELECT id, consumer, destination, idempotency_key, attempts, last_error, \
                 extract(epoch FROM now() - created_at)::float8 AS age_seconds, \
                 parked_at IS NOT NULL AS parked \
@@ -281,8 +298,10 @@ pub async fn undelivered(
     )
     .bind(parked_only)
     .bind(limit)
-    .fetch_all(pool)
-    .await
+    .fetch_all(&mut *transaction)
+    .await?;
+    transaction.commit().await?;
+    Ok(rows)
 }
 
 /// Unparks the parked rows of `destination` (all when `None`), or only row `id`: they are
@@ -293,7 +312,8 @@ pub async fn retry_parked(
     destination: Option<&str>,
     id: Option<i64>,
 ) -> Result<Vec<i64>, sqlx::Error> {
-    sqlx::query_scalar(
+    let mut transaction = pool.begin().await?;
+    let ids = bookkeeping::query_scalar(
         "UPDATE idem_outbox SET parked_at = NULL, attempts = 0, next_attempt_at = now() \
          WHERE parked_at IS NOT NULL AND delivered_at IS NULL \
            AND ($1::text IS NULL OR destination = $1) AND ($2::int8 IS NULL OR id = $2) \
@@ -301,6 +321,8 @@ pub async fn retry_parked(
     )
     .bind(destination)
     .bind(id)
-    .fetch_all(pool)
-    .await
+    .fetch_all(&mut *transaction)
+    .await?;
+    transaction.commit().await?;
+    Ok(ids)
 }

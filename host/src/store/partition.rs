@@ -13,6 +13,8 @@
 use chrono::{Duration as ChronoDuration, NaiveDate, Utc};
 use sqlx::{PgPool, Postgres, Transaction};
 
+use crate::store::bookkeeping;
+
 /// Days of partitions created ahead of today.
 pub const DAYS_AHEAD: i64 = 3;
 
@@ -27,12 +29,15 @@ pub struct Maintenance {
 
 /// True when `processed_messages` is a partitioned table.
 pub async fn is_partitioned(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
+    let mut transaction = pool.begin().await?;
+    let partitioned = bookkeeping::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table p JOIN pg_class c ON c.oid = p.partrelid \
          WHERE c.relname = 'processed_messages' AND c.relnamespace = current_schema()::regnamespace)",
     )
-    .fetch_one(pool)
-    .await
+    .fetch_one(&mut *transaction)
+    .await?;
+    transaction.commit().await?;
+    Ok(partitioned)
 }
 
 /// Converts a plain `processed_messages` into a table partitioned by day, keeping every claim,
@@ -45,7 +50,7 @@ pub async fn convert(pool: &PgPool) -> Result<Conversion, sqlx::Error> {
     let mut transaction = pool.begin().await?;
     // A running host keeps the claim form it read at start; after the conversion its
     // `ON CONFLICT DO NOTHING` would never conflict. Refuse while any host is connected.
-    let hosts: i64 = sqlx::query_scalar(
+    let hosts: i64 = bookkeeping::query_scalar(
         "SELECT count(*) FROM pg_stat_activity \
          WHERE datname = current_database() AND application_name = 'idem' AND pid <> pg_backend_pid()",
     )
@@ -54,24 +59,24 @@ pub async fn convert(pool: &PgPool) -> Result<Conversion, sqlx::Error> {
     if hosts > 0 {
         return Ok(Conversion::HostsConnected { sessions: hosts });
     }
-    sqlx::query("LOCK TABLE processed_messages IN ACCESS EXCLUSIVE MODE")
+    bookkeeping::query("LOCK TABLE processed_messages IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *transaction)
         .await?;
-    sqlx::query("ALTER TABLE processed_messages RENAME TO processed_messages_unpartitioned")
+    bookkeeping::query("ALTER TABLE processed_messages RENAME TO processed_messages_unpartitioned")
         .execute(&mut *transaction)
         .await?;
-    sqlx::query(
+    bookkeeping::query(
         "ALTER INDEX processed_messages_time RENAME TO processed_messages_unpartitioned_time",
     )
     .execute(&mut *transaction)
     .await?;
-    sqlx::query(
+    bookkeeping::query(
         "ALTER TABLE processed_messages_unpartitioned RENAME CONSTRAINT processed_messages_pkey \
          TO processed_messages_unpartitioned_pkey",
     )
     .execute(&mut *transaction)
     .await?;
-    sqlx::query(
+    bookkeeping::query(
         "CREATE TABLE processed_messages ( \
            consumer      text        NOT NULL, \
            message_key   text        NOT NULL, \
@@ -82,13 +87,15 @@ pub async fn convert(pool: &PgPool) -> Result<Conversion, sqlx::Error> {
     )
     .execute(&mut *transaction)
     .await?;
-    sqlx::query("CREATE INDEX processed_messages_time ON processed_messages (processed_at)")
+    bookkeeping::query("CREATE INDEX processed_messages_time ON processed_messages (processed_at)")
         .execute(&mut *transaction)
         .await?;
-    sqlx::query("CREATE TABLE processed_messages_default PARTITION OF processed_messages DEFAULT")
-        .execute(&mut *transaction)
-        .await?;
-    let oldest: Option<NaiveDate> = sqlx::query_scalar(
+    bookkeeping::query(
+        "CREATE TABLE processed_messages_default PARTITION OF processed_messages DEFAULT",
+    )
+    .execute(&mut *transaction)
+    .await?;
+    let oldest: Option<NaiveDate> = bookkeeping::query_scalar(
         "SELECT min(processed_at AT TIME ZONE 'UTC')::date FROM processed_messages_unpartitioned",
     )
     .fetch_one(&mut *transaction)
@@ -99,13 +106,13 @@ pub async fn convert(pool: &PgPool) -> Result<Conversion, sqlx::Error> {
         create_partition(&mut transaction, day).await?;
         day += ChronoDuration::days(1);
     }
-    sqlx::query(
+    bookkeeping::query(
         "INSERT INTO processed_messages (consumer, message_key, processed_at, plugin_digest) \
          SELECT consumer, message_key, processed_at, plugin_digest FROM processed_messages_unpartitioned",
     )
     .execute(&mut *transaction)
     .await?;
-    sqlx::query("DROP TABLE processed_messages_unpartitioned")
+    bookkeeping::query("DROP TABLE processed_messages_unpartitioned")
         .execute(&mut *transaction)
         .await?;
     transaction.commit().await?;
@@ -131,10 +138,11 @@ pub async fn maintain(
     pool: &PgPool,
     window: std::time::Duration,
 ) -> Result<Maintenance, sqlx::Error> {
-    let recorded: Option<f64> = sqlx::query_scalar(
+    let mut transaction = pool.begin().await?;
+    let recorded: Option<f64> = bookkeeping::query_scalar(
         "SELECT extract(epoch FROM max(retention_window))::float8 FROM idem_consumers",
     )
-    .fetch_one(pool)
+    .fetch_one(&mut *transaction)
     .await?;
     let recorded = recorded
         .filter(|seconds| seconds.is_finite() && *seconds > 0.0)
@@ -144,9 +152,8 @@ pub async fn maintain(
         );
     let window = window.max(recorded);
     let mut maintenance = Maintenance::default();
-    let existing = partitions(pool).await?;
+    let existing = partitions(&mut transaction).await?;
     let today = Utc::now().date_naive();
-    let mut transaction = pool.begin().await?;
     for offset in 0..=DAYS_AHEAD {
         let day = today + ChronoDuration::days(offset);
         if !existing
@@ -165,27 +172,33 @@ pub async fn maintain(
     for (name, day) in existing {
         // The partition holds [day, day + 1): wholly older than the window when day + 1 <= cutoff.
         if day + ChronoDuration::days(1) <= cutoff {
-            sqlx::query(&format!("DROP TABLE \"{name}\""))
+            bookkeeping::query(&format!("DROP TABLE \"{name}\""))
                 .execute(&mut *transaction)
                 .await?;
             maintenance.dropped.push(name);
         }
     }
     transaction.commit().await?;
-    maintenance.stray_rows = sqlx::query_scalar("SELECT count(*) FROM processed_messages_default")
-        .fetch_one(pool)
-        .await?;
+    // Counted after the partitions' locks are released.
+    let mut transaction = pool.begin().await?;
+    maintenance.stray_rows =
+        bookkeeping::query_scalar("SELECT count(*) FROM processed_messages_default")
+            .fetch_one(&mut *transaction)
+            .await?;
+    transaction.commit().await?;
     Ok(maintenance)
 }
 
 /// The day partitions, by name and first day.
-async fn partitions(pool: &PgPool) -> Result<Vec<(String, NaiveDate)>, sqlx::Error> {
-    let names: Vec<String> = sqlx::query_scalar(
+async fn partitions(
+    transaction: &mut Transaction<'_, Postgres>,
+) -> Result<Vec<(String, NaiveDate)>, sqlx::Error> {
+    let names: Vec<String> = bookkeeping::query_scalar(
         "SELECT c.relname::text FROM pg_inherits i \
          JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent \
          WHERE p.relname = 'processed_messages' AND p.relnamespace = current_schema()::regnamespace",
     )
-    .fetch_all(pool)
+    .fetch_all(&mut **transaction)
     .await?;
     Ok(names
         .into_iter()
@@ -203,7 +216,7 @@ async fn create_partition(
 ) -> Result<String, sqlx::Error> {
     let name = format!("processed_messages_p{}", day.format("%Y%m%d"));
     let next = day + ChronoDuration::days(1);
-    sqlx::query(&format!(
+    bookkeeping::query(&format!(
         "CREATE TABLE IF NOT EXISTS \"{name}\" PARTITION OF processed_messages \
          FOR VALUES FROM ('{day} 00:00:00+00') TO ('{next} 00:00:00+00')"
     ))

@@ -2,7 +2,8 @@
 //! batches, so the ledger does not grow forever and locks and WAL bursts stay short.
 //!
 //! Architecture invariant: only claims of the pipeline's own consumer and older than its
-//! window are deleted, and only one host cleans at a time (a session advisory lock).
+//! window are deleted, and only one host cleans at a time (an advisory lock held by an open
+//! transaction, which a transaction pooler keeps on one server connection).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::{DatabaseConfig, PipelineConfig, RetentionConfig, redact_url};
 use crate::metrics::Metrics;
+use crate::store::bookkeeping;
 use crate::store::database::DatabaseError;
 use crate::store::partition::{self, Maintenance};
 
@@ -54,8 +56,9 @@ pub async fn record_windows(
         let entry = longest.entry(consumer).or_default();
         *entry = (*entry).max(window);
     }
+    let mut transaction = pool.begin().await?;
     for (consumer, window) in longest {
-        sqlx::query(
+        bookkeeping::query(
             "INSERT INTO idem_consumers (consumer, retention_window) \
              VALUES ($1, make_interval(secs => $2)) \
              ON CONFLICT (consumer) DO UPDATE \
@@ -63,10 +66,10 @@ pub async fn record_windows(
         )
         .bind(consumer)
         .bind(window.as_secs_f64())
-        .execute(pool)
+        .execute(&mut *transaction)
         .await?;
     }
-    Ok(())
+    transaction.commit().await
 }
 
 /// What a cleaning pass did.
@@ -90,13 +93,15 @@ pub async fn clean_consumer(
 ) -> Result<u64, sqlx::Error> {
     let mut deleted_total = 0;
     loop {
-        let deleted = sqlx::query(DELETE_BATCH_SQL)
+        let mut transaction = pool.begin().await?;
+        let deleted = bookkeeping::query(DELETE_BATCH_SQL)
             .bind(consumer)
             .bind(retention.window.as_secs_f64())
             .bind(i64::from(retention.batch_size.get()))
-            .execute(pool)
+            .execute(&mut *transaction)
             .await?
             .rows_affected();
+        transaction.commit().await?;
         deleted_total += deleted;
         debug!(consumer, deleted, "Retention batch.");
         if deleted == 0 || shutdown.is_cancelled() {
@@ -116,23 +121,21 @@ pub async fn clean_all(
     metrics: Option<&Metrics>,
     shutdown: &CancellationToken,
 ) -> Result<Pass, sqlx::Error> {
-    let mut connection = pool.acquire().await?;
-    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+    // The lock's transaction idles while the pass runs on other connections: the server's
+    // idle limit does not apply to it (keepalives still end it if this host vanishes).
+    let mut lock = pool
+        .begin_with("BEGIN; SET LOCAL idle_in_transaction_session_timeout = 0")
+        .await?;
+    let locked: bool = bookkeeping::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
         .bind(RETENTION_LOCK)
-        .fetch_one(&mut *connection)
+        .fetch_one(&mut *lock)
         .await?;
     if !locked {
         return Ok(Pass::Busy);
     }
     let result = clean_locked(pool, pipelines, metrics, shutdown).await;
-    let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(RETENTION_LOCK)
-        .execute(&mut *connection)
-        .await;
-    if unlocked.is_err() {
-        // The lock dies with the session: do not return this connection to the pool.
-        connection.detach();
-    }
+    // Ending the transaction releases the lock; if that fails, the connection closes with it.
+    lock.rollback().await?;
     result
 }
 

@@ -2,9 +2,12 @@
 //!
 //! They are tokio-postgres connections because it pipelines: the statements of a flight
 //! (`ledger`) leave together and their replies come back together, one round trip for many
-//! statements, which sqlx cannot do. Each session prepares a statement once and keeps it.
-//! `database` decides where and how they connect (URL, TLS, keepalives, session settings)
-//! and opens this pool beside sqlx's bookkeeping pool; nothing else opens a session.
+//! statements, which sqlx cannot do. Each session prepares a statement once and keeps it,
+//! unless a transaction pooler stands in front (`Setup::PerTransaction`): then nothing may
+//! outlive a transaction, and every statement is parsed with its execution, unnamed, with
+//! the parameter types the caller gives (`Prepared::Unnamed`). `database` decides where and
+//! how they connect (URL, TLS, keepalives, server settings) and opens this pool beside
+//! sqlx's bookkeeping pool; nothing else opens a session.
 //!
 //! A session that may be inside a transaction (a transaction abandoned mid-way, past its
 //! deadline, or whose future was dropped) is closed, never handed out again.
@@ -14,11 +17,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_postgres::types::Type;
 use tokio_postgres::{Client, NoTls, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tracing::debug;
 
-use crate::store::statement::BindError;
+use crate::store::binding::BindError;
 
 /// How long taking a session may wait, for a free one or for a new connection.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -89,8 +93,41 @@ impl std::fmt::Debug for SessionPool {
     }
 }
 
+/// Where a session's server settings are set (see `database::setup`), and so whether a
+/// session may keep prepared statements.
+#[derive(Debug, Clone)]
+pub(crate) enum Setup {
+    /// `SET`s sent once, when a connection opens: it is the server's own session.
+    PerConnection(String),
+    /// `SET LOCAL`s that open every transaction (`Session::transaction_settings`), and no
+    /// named statement: behind a transaction pooler, the server connection may change
+    /// after every transaction.
+    PerTransaction(String),
+}
+
+/// A statement as a session runs it.
+#[derive(Debug, Clone)]
+pub enum Prepared<'s> {
+    /// Prepared once on this connection and kept; its parameter types are the server's.
+    Named(Statement),
+    /// Parsed again with each execution, as the unnamed statement, with these parameter
+    /// types: nothing of it outlives the transaction.
+    Unnamed { sql: &'s str, types: Vec<Type> },
+}
+
+impl Prepared<'_> {
+    /// The parameter types values are bound for.
+    pub fn params(&self) -> &[Type] {
+        match self {
+            Prepared::Named(statement) => statement.params(),
+            Prepared::Unnamed { types, .. } => types,
+        }
+    }
+}
+
 struct Shared {
     config: tokio_postgres::Config,
+    setup: Setup,
     /// `None` when TLS is off (`sslmode=disable` or `allow`).
     tls: Option<MakeRustlsConnect>,
     idle: Mutex<Vec<Connection>>,
@@ -109,12 +146,14 @@ impl SessionPool {
     /// A pool of at most `max` sessions connecting with `config`; opens none yet.
     pub(crate) fn new(
         config: tokio_postgres::Config,
+        setup: Setup,
         tls: Option<MakeRustlsConnect>,
         max: u32,
     ) -> SessionPool {
         SessionPool {
             shared: Arc::new(Shared {
                 config,
+                setup,
                 tls,
                 idle: Mutex::new(Vec::new()),
                 permits: Arc::new(Semaphore::new(max as usize)),
@@ -176,6 +215,9 @@ impl Shared {
                 (client, tokio::spawn(drive(connection)))
             }
         };
+        if let Setup::PerConnection(settings) = &self.setup {
+            client.batch_execute(settings).await?;
+        }
         Ok(Connection {
             client,
             driver,
@@ -213,6 +255,56 @@ impl Session {
         self.connection
             .as_ref()
             .expect("a session holds its connection until dropped")
+    }
+
+    /// `sql` as this session runs it: prepared and kept (see `prepared`), or, behind a
+    /// transaction pooler, the unnamed statement with `types` for its parameters.
+    pub async fn statement<'s>(
+        &mut self,
+        sql: &'s str,
+        types: &[Type],
+    ) -> Result<Prepared<'s>, SessionError> {
+        if self.names_statements() {
+            self.prepared(sql).await.map(Prepared::Named)
+        } else {
+            Ok(Prepared::Unnamed {
+                sql,
+                types: types.to_vec(),
+            })
+        }
+    }
+
+    /// Whether this session may keep prepared statements (no transaction pooler in front).
+    pub fn names_statements(&self) -> bool {
+        matches!(self.shared.setup, Setup::PerConnection(_))
+    }
+
+    /// The `SET LOCAL`s every transaction opens with (behind a transaction pooler), or
+    /// nothing.
+    pub fn transaction_settings(&self) -> &str {
+        match &self.shared.setup {
+            Setup::PerConnection(_) => "",
+            Setup::PerTransaction(settings) => settings,
+        }
+    }
+
+    /// The parameter types the server infers for `sql` now. Nothing is kept: the statement
+    /// is closed at once, inside a transaction of its own behind a transaction pooler.
+    pub async fn parameter_types(&mut self, sql: &str) -> Result<Vec<Type>, SessionError> {
+        if self.names_statements() {
+            let statement = self.client().prepare(sql).await?;
+            return Ok(statement.params().to_vec());
+        }
+        self.in_transaction = true;
+        self.client().batch_execute("BEGIN").await?;
+        // The statement is dropped here, so its `Close` leaves before `ROLLBACK`.
+        let types = self
+            .client()
+            .prepare(sql)
+            .await
+            .map(|statement| statement.params().to_vec());
+        self.rollback().await?;
+        Ok(types?)
     }
 
     /// `sql` prepared on this session: from its cache, or prepared now (one round trip).

@@ -11,13 +11,13 @@ use std::sync::RwLock;
 
 use bytes::BytesMut;
 use chrono::{DateTime, NaiveDateTime, Utc};
-use sqlx::postgres::{PgPool, PgTypeInfo};
-use sqlx::{Either, Executor, Statement, TypeInfo};
 use tokio_postgres::types::{IsNull, ToSql, Type};
 use tracing::info;
 
 use crate::config::PipelineConfig;
 use crate::effect::Value;
+use crate::store::binding::BindError;
+use crate::store::session::{Session, SessionError, SessionPool};
 
 /// The statements of one pipeline, with the parameter types Postgres inferred for them.
 #[derive(Debug)]
@@ -159,11 +159,19 @@ enum Bound {
 /// A statement that cannot serve: refused at start-up and by `idem check`.
 #[derive(Debug, thiserror::Error)]
 pub enum StatementError {
-    #[error("pipeline {pipeline:?}, statement {statement:?}: does not prepare: {source}")]
+    #[error(
+        "pipeline {pipeline:?}, statement {statement:?}: does not prepare: {}",
+        crate::store::fault::describe(source.as_ref())
+    )]
     Prepare {
         pipeline: String,
         statement: String,
-        source: sqlx::Error,
+        source: Box<SessionError>,
+    },
+    #[error("pipeline {pipeline:?}: no session to prepare its statements on: {source}")]
+    Session {
+        pipeline: String,
+        source: Box<SessionError>,
     },
     #[error(
         "pipeline {pipeline:?}, statement {statement:?}: parameter ${index} has type {type_name}, which idem cannot bind; cast it in the SQL, e.g. ${index}::int8 or ${index}::text"
@@ -180,41 +188,6 @@ pub enum StatementError {
 #[derive(Debug, thiserror::Error)]
 #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
 pub struct StatementErrors(pub Vec<StatementError>);
-
-/// A value that does not bind to the parameter type a session's statement declares, found
-/// before anything is sent. A change of the schema under a running host is the operator's
-/// doing: a type the value's kind cannot bind to is a configuration fault (SQLSTATE 42804,
-/// the pipeline pauses), a value out of the new type's range is the message's (22003).
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum BindError {
-    #[error(
-        "statement {statement:?} parameter ${index} is {now} on the server now ({was} when the host prepared it); the effect's {given} value does not bind to it: change the column back or the plugin and the statement to match"
-    )]
-    Type {
-        statement: String,
-        index: usize,
-        was: &'static str,
-        now: String,
-        given: &'static str,
-    },
-    #[error("statement {statement:?} parameter ${index} ({now} on the server now): {problem}")]
-    Value {
-        statement: String,
-        index: usize,
-        now: &'static str,
-        problem: String,
-    },
-}
-
-impl BindError {
-    /// The SQLSTATE the server would have raised, so `fault` classifies it as the server's.
-    pub fn sqlstate(&self) -> &'static str {
-        match self {
-            BindError::Type { .. } => "42804",
-            BindError::Value { .. } => "22003",
-        }
-    }
-}
 
 /// An effect that does not fit its statement: the message is rejected, nothing runs.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -252,13 +225,19 @@ impl StatementCatalog {
     /// Prepares every statement of `pipeline` and records its parameter types; reports every
     /// statement that cannot serve, not only the first.
     pub async fn prepare(
-        pool: &PgPool,
+        sessions: &SessionPool,
         pipeline: &PipelineConfig,
     ) -> Result<StatementCatalog, StatementErrors> {
+        let mut session = sessions.acquire().await.map_err(|source| {
+            StatementErrors(vec![StatementError::Session {
+                pipeline: pipeline.name.clone(),
+                source: Box::new(source),
+            }])
+        })?;
         let mut statements = HashMap::with_capacity(pipeline.statements.len());
         let mut errors = Vec::new();
         for (name, sql) in &pipeline.statements {
-            match prepare_one(pool, pipeline, name, sql).await {
+            match prepare_one(&mut session, pipeline, name, sql).await {
                 Ok(params) => {
                     let prepared = PreparedStatement {
                         sql: sql.clone(),
@@ -378,31 +357,28 @@ impl StatementCatalog {
 
 /// Prepares one statement and maps its parameter types.
 async fn prepare_one(
-    pool: &PgPool,
+    session: &mut Session,
     pipeline: &PipelineConfig,
     name: &str,
     sql: &str,
 ) -> Result<Vec<ParamType>, StatementError> {
-    let prepared = pool
-        .prepare(sql)
+    let types = session
+        .parameter_types(sql)
         .await
         .map_err(|source| StatementError::Prepare {
             pipeline: pipeline.name.clone(),
             statement: name.to_string(),
-            source,
+            source: Box::new(source),
         })?;
-    let Some(Either::Left(types)) = prepared.parameters() else {
-        return Ok(Vec::new());
-    };
     types
         .iter()
         .enumerate()
-        .map(|(position, type_info)| {
-            ParamType::of(type_info).ok_or_else(|| StatementError::UnsupportedType {
+        .map(|(position, wire)| {
+            ParamType::of_wire(wire).ok_or_else(|| StatementError::UnsupportedType {
                 pipeline: pipeline.name.clone(),
                 statement: name.to_string(),
                 index: position + 1,
-                type_name: type_info.name().to_lowercase(),
+                type_name: wire.name().to_lowercase(),
             })
         })
         .collect()
@@ -419,6 +395,14 @@ impl BoundEffect<'_> {
     /// server's type now decide).
     pub fn out_of_range(&self) -> Option<&EffectError> {
         self.out_of_range.as_ref()
+    }
+
+    /// The types of the values as bound: what an unnamed statement declares for them.
+    pub fn types(&self) -> Vec<Type> {
+        self.values
+            .iter()
+            .map(|value| value.param_type().wire_type())
+            .collect()
     }
 
     /// Whether the values bound fit `types`, the parameter types a session's statement
@@ -608,24 +592,6 @@ impl ParamType {
         }
     }
 
-    fn of(type_info: &PgTypeInfo) -> Option<ParamType> {
-        Some(match type_info.name() {
-            "BOOL" => ParamType::Bool,
-            "INT2" => ParamType::Int2,
-            "INT4" => ParamType::Int4,
-            "INT8" => ParamType::Int8,
-            "FLOAT4" => ParamType::Float4,
-            "FLOAT8" => ParamType::Float8,
-            "TEXT" | "VARCHAR" | "BPCHAR" | "NAME" => ParamType::Text,
-            "JSON" | "JSONB" => ParamType::Jsonb,
-            "BYTEA" => ParamType::Bytea,
-            "TIMESTAMPTZ" => ParamType::Timestamptz,
-            "TIMESTAMP" => ParamType::Timestamp,
-            "UUID" => ParamType::Uuid,
-            _ => return None,
-        })
-    }
-
     /// The type of a parameter as a session's statement declares it.
     fn of_wire(wire: &Type) -> Option<ParamType> {
         Some(match *wire {
@@ -679,7 +645,6 @@ impl ParamType {
     }
 
     /// The type the server declares for such a parameter.
-    #[cfg(test)]
     fn wire_type(self) -> Type {
         match self {
             ParamType::Bool => Type::BOOL,

@@ -116,21 +116,21 @@ async fn prepare_statements(
     config: &Config,
     problems: &mut Vec<String>,
 ) -> Vec<Option<StatementCatalog>> {
-    let pool = match database::connect_once(&config.database).await {
-        Ok(pool) => pool,
+    let database = match database::open(&config.database).await {
+        Ok(database) => database,
         Err(error) => {
             problems.push(error.to_string());
             return Vec::new();
         }
     };
     if let Err(error) =
-        database::check_schema(&pool, &config.database, config.outbox.is_some()).await
+        database::check_schema(&database.pool, &config.database, config.outbox.is_some()).await
     {
         problems.push(error.to_string());
     }
     let mut catalogs = Vec::with_capacity(config.pipelines.len());
     for pipeline_config in &config.pipelines {
-        match StatementCatalog::prepare(&pool, pipeline_config).await {
+        match StatementCatalog::prepare(&database.sessions, pipeline_config).await {
             Ok(catalog) => {
                 println!(
                     "ok   pipeline {:?}: {} statements prepare",

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use idem_host::config::Config;
 use idem_host::source;
-use idem_host::store::database;
+use idem_host::store::{bookkeeping, database};
 
 use crate::ConfigArg;
 
@@ -43,12 +43,18 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             println!("  {:<13} {:?}: {}", line.label, line.name, line.state);
         }
         if let Some(pool) = &pool {
-            let claims: Result<(i64, Option<f64>), _> = sqlx::query_as(
-                "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
-                 FROM processed_messages WHERE consumer = $1",
-            )
-            .bind(&pipeline_config.consumer)
-            .fetch_one(pool)
+            let claims: Result<(i64, Option<f64>), sqlx::Error> = async {
+                let mut transaction = pool.begin().await?;
+                let claims = bookkeeping::query_as(
+                    "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
+                     FROM processed_messages WHERE consumer = $1",
+                )
+                .bind(&pipeline_config.consumer)
+                .fetch_one(&mut *transaction)
+                .await?;
+                transaction.commit().await?;
+                Ok(claims)
+            }
             .await;
             match claims {
                 Ok((count, oldest)) => println!(

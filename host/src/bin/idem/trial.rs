@@ -164,8 +164,8 @@ pub async fn statements(
     if offline {
         return StatementCatalog::from_config(pipeline_config);
     }
-    let pool = match database::connect_once(&config.database).await {
-        Ok(pool) => pool,
+    let database = match database::open(&config.database).await {
+        Ok(database) => database,
         Err(error) => {
             eprintln!(
                 "idem: PostgreSQL is out of reach ({error}); effects are checked for statement names and parameter counts, not types"
@@ -173,8 +173,9 @@ pub async fn statements(
             return StatementCatalog::from_config(pipeline_config);
         }
     };
-    let prepared = StatementCatalog::prepare(&pool, pipeline_config).await;
-    pool.close().await;
+    let prepared = StatementCatalog::prepare(&database.sessions, pipeline_config).await;
+    database.pool.close().await;
+    database.sessions.close_idle();
     prepared.unwrap_or_else(|errors| {
         eprintln!(
             "idem: pipeline {:?} has statements that do not prepare ({errors}); effects are checked for names and parameter counts only",
