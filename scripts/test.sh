@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The test command: services up, toolchains, Chromium and PgBouncer installed, plugins built (by
-# tests/build.rs), every test against real PostgreSQL, RabbitMQ and NATS JetStream. Extra
-# arguments go to `cargo test`.
+# The test command: services up, toolchains, Chromium, PgBouncer and pg_auto_failover installed,
+# plugins built (by tests/build.rs), every test against real PostgreSQL, RabbitMQ and NATS
+# JetStream. Extra arguments go to `cargo test`.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -18,10 +18,13 @@ if [ ! -d "$root/plugins/loyalty-js/node_modules" ]; then
   (cd "$root/plugins/loyalty-js" && npm ci --no-audit --no-fund --loglevel=error)
 fi
 # Debian packages the tests run: Chromium for the console's browser test (driven by
-# playwright-core, which downloads no browser of its own), PgBouncer for the pooler tests.
+# playwright-core, which downloads no browser of its own), PgBouncer for the pooler tests,
+# pg_auto_failover (for the installed PostgreSQL) for the failover scenario.
 missing=()
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+pg_version="$(ls /usr/lib/postgresql 2>/dev/null | sort -V | tail -n1)"
+[ -x /usr/bin/pg_autoctl ] || missing+=("postgresql-${pg_version}-auto-failover")
 if [ ${#missing[@]} -gt 0 ]; then
   as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
   install=(env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}")

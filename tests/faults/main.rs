@@ -9,6 +9,7 @@
 
 mod cluster;
 mod database;
+mod failover;
 mod jetstream;
 
 use std::collections::BTreeSet;

@@ -4,6 +4,7 @@
 //! uniquely named queues, so tests run in parallel and repeatedly. Endpoints come from
 //! `IDEM_TEST_PG_ADMIN_URL` and `AMQP_URL`, defaulting to the local services.
 
+pub mod auto_failover;
 pub mod browser;
 pub mod jetstream;
 pub mod pg_cluster;

@@ -113,7 +113,7 @@ fn stop(directory: &Path) -> std::io::Result<std::process::Output> {
 }
 
 /// `program` of the installed PostgreSQL (the newest in /usr/lib/postgresql).
-fn bin(program: &str) -> PathBuf {
+pub(crate) fn bin(program: &str) -> PathBuf {
     let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .expect("PostgreSQL installed")
         .filter_map(|entry| entry.ok().map(|entry| entry.path()))
