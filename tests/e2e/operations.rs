@@ -649,3 +649,78 @@ fn completions_and_schema_are_printed() {
     assert_eq!(schema["additionalProperties"], false);
     assert!(schema["$defs"]["RawPipeline"]["properties"]["cases"].is_object());
 }
+
+/// A `processed_messages` that is not idem's (a hand-written consumer's, by the guide's name)
+/// is not adopted: `idem migrate` changes nothing and says which columns and key differ, and
+/// `idem run` and `idem check` refuse it the same way. A table of the guide's own shape is
+/// adopted (the digest column added).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_processed_messages_of_another_shape_is_refused_not_adopted() {
+    let env = TestEnv::new("foreign_claims").await;
+    let foreign = format!("{}_foreign", env.database);
+    sqlx::query(&format!("CREATE DATABASE \"{foreign}\""))
+        .execute(&env.pool)
+        .await
+        .expect("create database");
+    let foreign_url = env.database_url.replace(&env.database, &foreign);
+    let pool = sqlx::PgPool::connect(&foreign_url).await.expect("connect");
+    sqlx::raw_sql(
+        "CREATE TABLE processed_messages (message_id text PRIMARY KEY, \
+         processed_at timestamptz NOT NULL, handler text NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .expect("a consumer's own table");
+    let text = env.config_text("loyalty", "").replace(
+        &format!("url = \"{}\"", env.database_url),
+        &format!("url = \"{foreign_url}\""),
+    );
+    assert!(text.contains(&foreign_url), "config layout changed");
+    let path = std::env::temp_dir().join(format!("{foreign}.toml"));
+    std::fs::write(&path, &text).expect("config");
+    let output = idem_e2e::must_refuse("migrate", &path);
+    for fragment in [
+        "processed_messages table",
+        "no column consumer (text)",
+        "no column message_key (text)",
+        "column handler is NOT NULL without a default",
+        "no unique key on (consumer, message_key) (unique keys: (message_id))",
+    ] {
+        assert!(output.contains(fragment), "{fragment:?} missing: {output}");
+    }
+    let untouched: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.columns \
+         WHERE table_name = 'processed_messages' AND column_name = 'plugin_digest'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("columns");
+    assert_eq!(untouched, 0, "the refused migration changed the table");
+    idem_e2e::run_and_check_refuse(&path, "not the claims table idem needs", "foreign table");
+
+    // The guide's own table: the same claims, adopted.
+    sqlx::raw_sql(
+        "DROP TABLE processed_messages; \
+         CREATE TABLE processed_messages (consumer text NOT NULL, message_key text NOT NULL, \
+         processed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (consumer, message_key))",
+    )
+    .execute(&pool)
+    .await
+    .expect("the guide's table");
+    let output = Command::new(idem_binary())
+        .args(["migrate", "--config"])
+        .arg(&path)
+        .output()
+        .expect("idem migrate");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    pool.close().await;
+    sqlx::query(&format!("DROP DATABASE \"{foreign}\" WITH (FORCE)"))
+        .execute(&env.pool)
+        .await
+        .expect("drop database");
+    env.cleanup().await;
+}

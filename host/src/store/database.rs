@@ -49,6 +49,11 @@ pub enum DatabaseError {
         endpoint: String,
         source: sqlx::Error,
     },
+    /// A `processed_messages` that is not idem's (another consumer's, by the guide's name).
+    #[error(
+        "the processed_messages table at {endpoint} is not the claims table idem needs: {problems}; rename that table, or give idem a database of its own"
+    )]
+    ForeignClaims { endpoint: String, problems: String },
     #[error(
         "idem's tables are missing or out of date at {endpoint} ({source}); run `idem migrate --config <file>` first"
     )]
@@ -451,19 +456,36 @@ pub async fn connect(
 /// once take turns, and nothing outlives the transaction (safe behind a transaction
 /// pooler, where sqlx's migrator, holding a session lock and named statements, is not). The
 /// history is sqlx's `_sqlx_migrations`, as earlier versions of idem wrote it.
+///
+/// A `processed_messages` of another shape is not adopted: the transaction rolls back and
+/// nothing is changed.
 pub async fn migrate(pool: &PgPool, config: &DatabaseConfig) -> Result<(), DatabaseError> {
-    apply_migrations(pool)
+    let problems = apply_migrations(pool)
         .await
         .map_err(|source| DatabaseError::Migrate {
             endpoint: redact_url(&config.url),
             source,
-        })
+        })?;
+    foreign_claims(config, problems)
+}
+
+/// `DatabaseError::ForeignClaims` when the claims table has `problems`.
+fn foreign_claims(config: &DatabaseConfig, problems: Vec<String>) -> Result<(), DatabaseError> {
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(DatabaseError::ForeignClaims {
+        endpoint: redact_url(&config.url),
+        problems: problems.join("; "),
+    })
 }
 
 /// The advisory lock key migrations take (`idem-migrate`).
 const MIGRATION_LOCK: i64 = 0x1de3_0000_0000_0002;
 
-async fn apply_migrations(pool: &PgPool) -> Result<(), MigrateError> {
+/// Applies what is missing, then checks the claims table; commits only if it is idem's, and
+/// returns its problems otherwise.
+async fn apply_migrations(pool: &PgPool) -> Result<Vec<String>, MigrateError> {
     let mut transaction = pool.begin().await?;
     bookkeeping::query("SELECT pg_advisory_xact_lock($1)")
         .bind(MIGRATION_LOCK)
@@ -511,8 +533,96 @@ async fn apply_migrations(pool: &PgPool) -> Result<(), MigrateError> {
         .execute(&mut *transaction)
         .await?;
     }
-    transaction.commit().await?;
-    Ok(())
+    let problems = claims_table_problems(&mut transaction).await?;
+    if problems.is_empty() {
+        transaction.commit().await?;
+    } else {
+        transaction.rollback().await?;
+    }
+    Ok(problems)
+}
+
+/// The columns the claims need, with their types as `format_type` writes them.
+const CLAIM_COLUMNS: [(&str, &str); 4] = [
+    ("consumer", "text"),
+    ("message_key", "text"),
+    ("processed_at", "timestamp with time zone"),
+    ("plugin_digest", "text"),
+];
+
+/// How the `processed_messages` that idem's statements reach (by the search path) differs
+/// from the claims table idem needs: a column missing or of another type, a column the
+/// claims would leave empty that may not be, no unique key on `(consumer, message_key)`
+/// (`processed_at` added on a partitioned one). Empty when it is idem's, or absent.
+async fn claims_table_problems(
+    connection: &mut sqlx::PgConnection,
+) -> Result<Vec<String>, sqlx::Error> {
+    // No parameters: the simple protocol, one exchange (see `bookkeeping`).
+    let columns = sqlx::Executor::fetch_all(
+        &mut *connection,
+        "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), \
+                (a.attnotnull AND NOT a.atthasdef AND a.attidentity = '')::text \
+         FROM pg_attribute a \
+         WHERE a.attrelid = to_regclass('processed_messages') AND a.attnum > 0 \
+           AND NOT a.attisdropped",
+    )
+    .await?;
+    if columns.is_empty() {
+        return Ok(Vec::new());
+    }
+    let column = |row: &sqlx::postgres::PgRow, index: usize| -> Result<String, sqlx::Error> {
+        sqlx::Row::try_get::<String, _>(row, index)
+    };
+    let mut found = Vec::with_capacity(columns.len());
+    for row in &columns {
+        found.push((column(row, 0)?, column(row, 1)?, column(row, 2)? == "true"));
+    }
+    let mut problems = Vec::new();
+    for (name, wanted) in CLAIM_COLUMNS {
+        match found.iter().find(|(column, ..)| column == name) {
+            None => problems.push(format!("no column {name} ({wanted})")),
+            Some((_, kind, _)) if kind != wanted => {
+                problems.push(format!("column {name} is {kind}, idem needs {wanted}"));
+            }
+            Some(_) => {}
+        }
+    }
+    for (name, _, required) in &found {
+        if *required && !CLAIM_COLUMNS.iter().any(|(column, _)| column == name) {
+            problems.push(format!(
+                "column {name} is NOT NULL without a default (idem's claims do not fill it)"
+            ));
+        }
+    }
+    let keys = sqlx::Executor::fetch_all(
+        &mut *connection,
+        "SELECT string_agg(a.attname::text, ',' ORDER BY a.attname) \
+         FROM pg_index i JOIN pg_attribute a \
+           ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
+         WHERE i.indrelid = to_regclass('processed_messages') AND i.indisunique \
+         GROUP BY i.indexrelid",
+    )
+    .await?;
+    let mut unique = Vec::with_capacity(keys.len());
+    for row in &keys {
+        unique.push(column(row, 0)?);
+    }
+    let claim_key = ["consumer,message_key", "consumer,message_key,processed_at"];
+    if !unique.iter().any(|key| claim_key.contains(&key.as_str())) {
+        problems.push(format!(
+            "no unique key on (consumer, message_key) (unique keys: {})",
+            if unique.is_empty() {
+                "none".to_string()
+            } else {
+                unique
+                    .iter()
+                    .map(|key| format!("({})", key.replace(',', ", ")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        ));
+    }
+    Ok(problems)
 }
 
 /// Fails unless the host's tables (claims, and the outbox when `outbox` is configured) exist
@@ -536,10 +646,15 @@ pub async fn check_schema(
         endpoint: redact_url(&config.url),
         source,
     };
+    // Another consumer's table first: `idem migrate` would not adopt it either.
+    let mut connection = pool.acquire().await.map_err(schema_error)?;
+    let problems = claims_table_problems(&mut connection)
+        .await
+        .map_err(schema_error)?;
+    foreign_claims(config, problems)?;
     for probe in probes {
         // No parameters: the simple protocol, one exchange (see `bookkeeping`).
-        sqlx::raw_sql(probe)
-            .execute(pool)
+        sqlx::Executor::execute(&mut *connection, probe)
             .await
             .map_err(schema_error)?;
     }
