@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use idem_e2e::pg_cluster::PgCluster;
-use idem_e2e::{TestEnv, create_database, order, wait_for};
+use idem_e2e::{TestEnv, create_database, must_succeed, order, wait_for};
 use idem_host::config::Config;
 
 /// `env`'s config with `[database] url` replaced by `url`.
@@ -14,21 +14,6 @@ fn with_url(env: &TestEnv, url: &str) -> String {
     let direct = format!("url = \"{}\"\n", env.database_url);
     assert!(text.contains(&direct), "config layout changed: {text}");
     text.replacen(&direct, &format!("url = \"{url}\"\n"), 1)
-}
-
-fn idem_ok(command: &str, path: &Path) -> String {
-    let output = std::process::Command::new(idem_e2e::idem_binary())
-        .args([command, "--config"])
-        .arg(path)
-        .output()
-        .expect("run idem");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(output.status.success(), "idem {command}: {text}");
-    text
 }
 
 async fn publish_orders(env: &TestEnv, ids: std::ops::RangeInclusive<i64>) {
@@ -67,8 +52,8 @@ async fn a_multi_host_url_writes_where_writes_are_taken() {
     let text = with_url(&env, &url);
     let path = std::env::temp_dir().join(format!("{}-hosts.toml", env.database));
     std::fs::write(&path, &text).expect("config");
-    idem_ok("migrate", &path);
-    idem_ok("check", &path);
+    must_succeed("migrate", &path);
+    must_succeed("check", &path);
     let host = env.start_host(Config::from_toml(&path, &text).expect("config"));
     publish_orders(&env, 1..=300).await;
     wait_for("300 ledger rows", Duration::from_secs(60), || async {

@@ -707,16 +707,7 @@ async fn a_processed_messages_of_another_shape_is_refused_not_adopted() {
     .execute(&pool)
     .await
     .expect("the guide's table");
-    let output = Command::new(idem_binary())
-        .args(["migrate", "--config"])
-        .arg(&path)
-        .output()
-        .expect("idem migrate");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    idem_e2e::must_succeed("migrate", &path);
     pool.close().await;
     sqlx::query(&format!("DROP DATABASE \"{foreign}\" WITH (FORCE)"))
         .execute(&env.pool)

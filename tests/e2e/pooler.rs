@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_e2e::pgbouncer::PgBouncer;
-use idem_e2e::{TestEnv, must_refuse, order, run_and_check_refuse, wait_for};
+use idem_e2e::{TestEnv, must_refuse, must_succeed, order, run_and_check_refuse, wait_for};
 use idem_host::config::Config;
 use idem_host::metrics::Metrics;
 use idem_host::store::retention::{self, Pass};
@@ -29,22 +29,6 @@ fn write(env: &TestEnv, name: &str, text: &str) -> PathBuf {
     let path = std::env::temp_dir().join(format!("{}-{name}.toml", env.database));
     std::fs::write(&path, text).expect("write config");
     path
-}
-
-/// Runs `idem <command> --config <path>`, which must succeed; returns its output.
-fn idem_ok(command: &str, path: &Path) -> String {
-    let output = std::process::Command::new(idem_e2e::idem_binary())
-        .args([command, "--config"])
-        .arg(path)
-        .output()
-        .expect("run idem");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(output.status.success(), "idem {command}: {text}");
-    text
 }
 
 /// Publishes orders `ids`, each once, and every fifth once more (a redelivery).
@@ -77,8 +61,8 @@ async fn idem_runs_behind_pgbouncer_in_transaction_pooling() {
     let fresh_text = behind(&env, &bouncer, pooling, "")
         .replace(&bouncer.url(&env.database), &bouncer.url(&fresh));
     let fresh_config = write(&env, "fresh", &fresh_text);
-    idem_ok("migrate", &fresh_config);
-    idem_ok("migrate", &fresh_config);
+    must_succeed("migrate", &fresh_config);
+    must_succeed("migrate", &fresh_config);
     let direct = sqlx::PgPool::connect(&env.database_url.replace(&env.database, &fresh))
         .await
         .expect("fresh database");
@@ -103,7 +87,7 @@ async fn idem_runs_behind_pgbouncer_in_transaction_pooling() {
         "[pipelines.loyalty.batch]\nsize = 16",
     );
     let path = write(&env, "transaction", &text);
-    let checked = idem_ok("check", &path);
+    let checked = must_succeed("check", &path);
     assert!(checked.contains("statements prepare"), "{checked}");
     let config = Config::from_toml(&path, &text).expect("config");
     let hosts = [
@@ -162,7 +146,7 @@ async fn idem_runs_behind_pgbouncer_in_session_pooling() {
     let bouncer = PgBouncer::start(&env.database, "session", 20);
     let text = behind(&env, &bouncer, "", "");
     let path = write(&env, "session", &text);
-    idem_ok("check", &path);
+    must_succeed("check", &path);
     let host = env.start_host(Config::from_toml(&path, &text).expect("config"));
     publish_with_duplicates(&env, 1..=300).await;
     wait_for("300 ledger rows", Duration::from_secs(60), || async {

@@ -113,14 +113,21 @@ source = {{ kind = "jetstream", servers = ["{url}"], stream = "{stream}", subjec
     /// Publishes `body` once; whether the stream confirmed it stored it (a publish without
     /// confirmation may still have been stored).
     pub async fn try_publish(&self, body: &[u8]) -> bool {
-        match self
-            .context
-            .publish(self.subject.clone(), Bytes::copy_from_slice(body))
+        // Bounded: while the client reconnects to a restarted server, a publish may wait for
+        // room in its buffer; the caller tries again rather than wait on one.
+        let publish = async {
+            match self
+                .context
+                .publish(self.subject.clone(), Bytes::copy_from_slice(body))
+                .await
+            {
+                Ok(stored) => stored.await.is_ok(),
+                Err(_) => false,
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), publish)
             .await
-        {
-            Ok(stored) => stored.await.is_ok(),
-            Err(_) => false,
-        }
+            .unwrap_or(false)
     }
 
     /// The durable consumer `consumer`'s pending (not delivered) and unacknowledged counts.

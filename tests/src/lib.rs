@@ -464,6 +464,22 @@ impl Drop for IdemProcess {
     }
 }
 
+/// Runs `idem <command> --config <path>`, which must succeed; returns its output.
+pub fn must_succeed(command: &str, path: &Path) -> String {
+    let output = Command::new(idem_binary())
+        .args([command, "--config"])
+        .arg(path)
+        .output()
+        .expect("run idem");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "idem {command}: {text}");
+    text
+}
+
 /// Runs `idem <command> --config <file>`, which must exit non-zero within 10 s; returns its
 /// output.
 pub fn must_refuse(command: &str, config: &Path) -> String {
