@@ -289,17 +289,14 @@ async fn check_role(pool: &PgPool, pipeline: &str, role: &str) -> Result<(), Pip
         role: role.to_string(),
         reason,
     };
-    let member: Option<bool> = async {
-        let mut transaction = pool.begin().await?;
-        let member = bookkeeping::query_scalar(
+    let member: Option<bool> = bookkeeping::in_transaction(pool, async |connection| {
+        bookkeeping::query_scalar(
             "SELECT pg_has_role(current_user, oid, 'MEMBER') FROM pg_roles WHERE rolname = $1",
         )
         .bind(role)
-        .fetch_optional(&mut *transaction)
-        .await?;
-        transaction.commit().await?;
-        Ok::<_, sqlx::Error>(member)
-    }
+        .fetch_optional(connection)
+        .await
+    })
     .await
     .map_err(|error| refuse(error.to_string()))?;
     match member {

@@ -15,7 +15,11 @@ use idem_e2e::{TestEnv, amqp_url, idem_binary, order, run_and_check_refuse, wait
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_host_talks_tls_to_postgres_with_sslmode_require() {
     let env = TestEnv::new("tls_require").await;
-    let text = with_database_url(&env, &format!("{}?sslmode=require", env.database_url));
+    let text = env.config_text_at(
+        &format!("{}?sslmode=require", env.database_url),
+        "loyalty",
+        "",
+    );
     assert!(text.contains("sslmode=require"));
     let config =
         idem_host::config::Config::from_toml(Path::new("/tmp/tls.toml"), &text).expect("config");
@@ -65,7 +69,7 @@ async fn an_untrusted_server_certificate_stops_the_host() {
         ca.display()
     );
     let config = directory.join("pipelines.toml");
-    std::fs::write(&config, with_database_url(&env, &url)).expect("write config");
+    std::fs::write(&config, env.config_text_at(&url, "loyalty", "")).expect("write config");
     run_and_check_refuse(&config, "sslrootcert", "foreign CA");
     let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;
@@ -199,14 +203,6 @@ async fn amqps_certificate_faults_stop_the_host() {
     env.cleanup().await;
 }
 
-/// The env's config with `[database] url` replaced by `url`.
-fn with_database_url(env: &TestEnv, url: &str) -> String {
-    let text = env.config_text("loyalty", "");
-    let quoted = format!("\"{}\"", env.database_url);
-    assert!(text.contains(&quoted), "config layout changed: {text}");
-    text.replace(&quoted, &format!("\"{url}\""))
-}
-
 /// A URL for the env's database through a PostgreSQL TLS endpoint at `host:port`.
 fn tls_database_url(
     env: &TestEnv,
@@ -251,7 +247,7 @@ async fn postgres_tls_verifies_the_server_and_presents_a_client_certificate() {
 
     let url = tls_database_url(&env, "127.0.0.1", named.port, "verify-full", &pki, true);
     let config_path = directory.join("pipelines.toml");
-    let text = with_database_url(&env, &url);
+    let text = env.config_text_at(&url, "loyalty", "");
     std::fs::write(&config_path, &text).expect("write config");
     let config = idem_host::config::Config::from_toml(&config_path, &text).expect("config");
     let host = env.start_host(config);
@@ -284,7 +280,8 @@ async fn postgres_tls_verifies_the_server_and_presents_a_client_certificate() {
             tls_database_url(&env, "127.0.0.1", named.port, "verify-full", &pki, false),
         ),
     ] {
-        std::fs::write(&config_path, with_database_url(&env, &url)).expect("write config");
+        std::fs::write(&config_path, env.config_text_at(&url, "loyalty", ""))
+            .expect("write config");
         run_and_check_refuse(&config_path, "sslrootcert, sslcert and sslkey", case);
     }
     let _ = std::fs::remove_dir_all(&directory);

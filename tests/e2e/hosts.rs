@@ -8,14 +8,6 @@ use idem_e2e::pg_cluster::PgCluster;
 use idem_e2e::{TestEnv, create_database, must_succeed, order, wait_for};
 use idem_host::config::Config;
 
-/// `env`'s config with `[database] url` replaced by `url`.
-fn with_url(env: &TestEnv, url: &str) -> String {
-    let text = env.config_text("loyalty", "");
-    let direct = format!("url = \"{}\"\n", env.database_url);
-    assert!(text.contains(&direct), "config layout changed: {text}");
-    text.replacen(&direct, &format!("url = \"{url}\"\n"), 1)
-}
-
 async fn publish_orders(env: &TestEnv, ids: std::ops::RangeInclusive<i64>) {
     for order_id in ids {
         env.publish(&order(
@@ -42,14 +34,13 @@ async fn a_multi_host_url_writes_where_writes_are_taken() {
     let env = TestEnv::new("hosts_list").await;
     let read_only = PgCluster::start(&env.database, "");
     read_only.psql(&format!("CREATE DATABASE \"{}\"", env.database));
-    read_only.psql("ALTER SYSTEM SET default_transaction_read_only = on");
-    read_only.psql("SELECT pg_reload_conf()");
+    read_only.set_read_only(true);
     let down = idem_e2e::free_port();
     let url = format!(
         "postgres://postgres@127.0.0.1:{down},127.0.0.1:{},127.0.0.1:5432/{}?sslmode=disable&target_session_attrs=read-write",
         read_only.port, env.database
     );
-    let text = with_url(&env, &url);
+    let text = env.config_text_at(&url, "loyalty", "");
     let path = std::env::temp_dir().join(format!("{}-hosts.toml", env.database));
     std::fs::write(&path, &text).expect("config");
     must_succeed("migrate", &path);
@@ -91,13 +82,12 @@ async fn the_writable_host_moves_and_idem_follows() {
     let second = PgCluster::start(&format!("{}_b", env.database), "");
     let (_, first_pool) = create_database(&first.url("postgres"), &env.database).await;
     let (_, second_pool) = create_database(&second.url("postgres"), &env.database).await;
-    first.psql("ALTER SYSTEM SET default_transaction_read_only = on");
-    first.psql("SELECT pg_reload_conf()");
+    first.set_read_only(true);
     let url = format!(
         "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/{}?sslmode=disable",
         first.port, second.port, env.database
     );
-    let text = with_url(&env, &url);
+    let text = env.config_text_at(&url, "loyalty", "");
     let config = Config::from_toml(Path::new("/tmp/hosts-move.toml"), &text).expect("config");
     let database = idem_host::store::database::open(&config.database)
         .await
@@ -123,14 +113,12 @@ async fn the_writable_host_moves_and_idem_follows() {
     .await;
 
     // The failover: the second stops taking writes and drops its sessions; the first takes them.
-    second.psql("ALTER SYSTEM SET default_transaction_read_only = on");
-    second.psql("SELECT pg_reload_conf()");
+    second.set_read_only(true);
     second.psql(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
          WHERE application_name = 'idem' AND pid <> pg_backend_pid()",
     );
-    first.psql("ALTER SYSTEM RESET default_transaction_read_only");
-    first.psql("SELECT pg_reload_conf()");
+    first.set_read_only(false);
     publish_orders(&env, 201..=400).await;
     wait_for(
         "200 ledger rows on the first",

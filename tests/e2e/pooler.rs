@@ -15,14 +15,8 @@ use idem_host::store::retention::{self, Pass};
 /// `env`'s config with `[database] url` through `bouncer` and `database_keys` added to the
 /// `[database]` table; `extra` goes into the pipeline's table.
 fn behind(env: &TestEnv, bouncer: &PgBouncer, database_keys: &str, extra: &str) -> String {
-    let text = env.config_text("loyalty", extra);
-    let direct = format!("url = \"{}\"\n", env.database_url);
-    assert!(text.contains(&direct), "config layout changed: {text}");
-    text.replacen(
-        &direct,
-        &format!("url = \"{}\"\n{database_keys}", bouncer.url(&env.database)),
-        1,
-    )
+    env.config_text_at(&bouncer.url(&env.database), "loyalty", extra)
+        .replacen("[database]\n", &format!("[database]\n{database_keys}"), 1)
 }
 
 fn write(env: &TestEnv, name: &str, text: &str) -> PathBuf {

@@ -233,13 +233,11 @@ impl NatsServer {
             .spawn()
             .expect("start nats-server");
         self.child = Some(child);
-        for _ in 0..100 {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("nats-server did not listen on {}", self.port);
+        assert!(
+            crate::listens_within(self.port, Duration::from_secs(5)),
+            "nats-server did not listen on {}",
+            self.port
+        );
     }
 
     pub fn kill(&mut self) {

@@ -138,9 +138,15 @@ impl TestEnv {
     /// The `pipelines.toml` text for the loyalty pipeline with `plugin`, pointed at this env.
     /// `extra` is inserted into the pipeline's table (keys, then sub-tables).
     pub fn config_text(&self, plugin: &str, extra: &str) -> String {
+        self.config_text_at(&self.database_url, plugin, extra)
+    }
+
+    /// As [`TestEnv::config_text`], with `[database] url` set to `url` (the env's database
+    /// by another way: a TLS endpoint, a proxy, a pooler, a list of hosts).
+    pub fn config_text_at(&self, url: &str, plugin: &str, extra: &str) -> String {
         format!(
             "{}{}",
-            self.config_header(),
+            self.config_header_at(url),
             pipeline_table(
                 "loyalty",
                 &self.queue,
@@ -153,9 +159,12 @@ impl TestEnv {
 
     /// The `[database]` and `[amqp]` tables for this env.
     pub fn config_header(&self) -> String {
+        self.config_header_at(&self.database_url)
+    }
+
+    fn config_header_at(&self, url: &str) -> String {
         format!(
-            "[database]\nurl = \"{}\"\nmax_connections = 20\n\n[amqp]\nurl = \"{}\"\n",
-            self.database_url,
+            "[database]\nurl = \"{url}\"\nmax_connections = 20\n\n[amqp]\nurl = \"{}\"\n",
             amqp_url()
         )
     }
@@ -642,6 +651,18 @@ async fn declare(channel: &Channel, queue: &str, arguments: FieldTable) {
 }
 
 /// A free loopback port for a host's HTTP endpoint.
+/// Whether a server of the test's own listens on 127.0.0.1:`port` within `timeout`.
+pub(crate) fn listens_within(port: u16, timeout: Duration) -> bool {
+    let started = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if started.elapsed() >= timeout {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    true
+}
+
 /// Sets `path`'s Unix permission bits.
 pub(crate) fn set_mode(path: &Path, mode: u32) {
     use std::os::unix::fs::PermissionsExt;

@@ -4,9 +4,9 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::{free_port, set_mode};
+use crate::{free_port, listens_within, set_mode};
 
 /// A running cluster.
 pub struct PgCluster {
@@ -43,15 +43,11 @@ impl PgCluster {
         text.push_str(&conf);
         std::fs::write(&path, text).expect("postgresql.conf");
         cluster.ctl(&["start", "-w", "-t", "30"]);
-        let started = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "cluster {label} did not listen: {}",
-                cluster.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        assert!(
+            listens_within(port, Duration::from_secs(30)),
+            "cluster {label} did not listen: {}",
+            cluster.log()
+        );
         cluster
     }
 
@@ -72,6 +68,17 @@ impl PgCluster {
                 .arg(self.port.to_string())
                 .args(["-U", "postgres", "-d", "postgres", "-c", sql]),
         );
+    }
+
+    /// Makes the cluster take no writes (`default_transaction_read_only`, as a standby does), or
+    /// take them again; new sessions see it at once, open ones at their next statement.
+    pub fn set_read_only(&self, read_only: bool) {
+        self.psql(if read_only {
+            "ALTER SYSTEM SET default_transaction_read_only = on"
+        } else {
+            "ALTER SYSTEM RESET default_transaction_read_only"
+        });
+        self.psql("SELECT pg_reload_conf()");
     }
 
     /// Its server log so far.

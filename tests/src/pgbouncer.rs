@@ -4,9 +4,9 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::{free_port, is_root, set_mode};
+use crate::{free_port, is_root, listens_within, set_mode};
 
 /// Where Debian installs it (`scripts/test.sh` installs the package when missing).
 const BINARY: &str = "/usr/sbin/pgbouncer";
@@ -62,15 +62,11 @@ impl PgBouncer {
             directory,
             process,
         };
-        let started = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "pgbouncer did not listen on {port}: {}",
-                bouncer.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        assert!(
+            listens_within(port, Duration::from_secs(10)),
+            "pgbouncer did not listen on {port}: {}",
+            bouncer.log()
+        );
         bouncer
     }
 

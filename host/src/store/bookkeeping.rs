@@ -6,11 +6,23 @@
 //! statement of that name collides with it), and every statement with parameters runs
 //! inside a transaction: sqlx parses and binds in two exchanges, and between them only an
 //! open transaction keeps the pooler from lending the server connection, and its unnamed
-//! statement, to another client. Statements without parameters may use `sqlx::raw_sql`.
+//! statement, to another client (`in_transaction`). Statements without parameters may use
+//! `sqlx::raw_sql`.
 
-use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::postgres::{PgArguments, PgConnection, PgRow};
 use sqlx::query::{Query, QueryAs, QueryScalar};
-use sqlx::{FromRow, Postgres};
+use sqlx::{FromRow, PgPool, Postgres};
+
+/// Runs `work` in a transaction of its own on `pool`, and commits it.
+pub async fn in_transaction<T>(
+    pool: &PgPool,
+    work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+) -> Result<T, sqlx::Error> {
+    let mut transaction = pool.begin().await?;
+    let value = work(&mut transaction).await?;
+    transaction.commit().await?;
+    Ok(value)
+}
 
 /// `sqlx::query`, unnamed.
 pub fn query(sql: &str) -> Query<'_, Postgres, PgArguments> {

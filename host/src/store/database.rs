@@ -156,7 +156,7 @@ async fn pool(
         Setup::PerTransaction(_) => None,
     };
     let read_write = candidates.read_write;
-    PgPoolOptions::new()
+    let mut pool = PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))
         .after_connect(move |connection, _| {
@@ -170,16 +170,11 @@ async fn pool(
                 }
                 Ok(())
             })
-        })
-        .before_acquire(move |connection, _| {
-            Box::pin(async move {
-                if read_write {
-                    return primary::guard_reuse(connection).await;
-                }
-                Ok(true)
-            })
-        })
-        .connect_with(options)
+        });
+    if read_write {
+        pool = pool.before_acquire(|connection, _| Box::pin(primary::guard_reuse(connection)));
+    }
+    pool.connect_with(options)
         .await
         .map_err(|source| connect_error(config, source))
 }
@@ -376,13 +371,15 @@ fn refused_setting(error: &sqlx::Error) -> Option<&'static str> {
 /// How the pool's sessions talk to the server: `TLSv1.3 TLS_AES_256_GCM_SHA384`, or
 /// `not encrypted`.
 pub async fn encryption(pool: &PgPool) -> Result<String, sqlx::Error> {
-    let mut transaction = pool.begin().await?;
-    let row: Option<(bool, Option<String>, Option<String>)> = bookkeeping::query_as(
-        "SELECT ssl, version, cipher FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
-    )
-    .fetch_optional(&mut *transaction)
-    .await?;
-    transaction.commit().await?;
+    let row: Option<(bool, Option<String>, Option<String>)> =
+        bookkeeping::in_transaction(pool, async |connection| {
+            bookkeeping::query_as(
+                "SELECT ssl, version, cipher FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            )
+            .fetch_optional(connection)
+            .await
+        })
+        .await?;
     Ok(match row {
         Some((true, version, cipher)) => format!(
             "{} {}",

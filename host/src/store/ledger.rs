@@ -50,6 +50,10 @@ const CLAIM_SQL: &str = concat!(
     " ON CONFLICT DO NOTHING"
 );
 
+/// The parameter types of the claims (`CLAIM_SQL`, `PARTITIONED_CLAIM_SQL`), for their unnamed
+/// statements behind a transaction pooler.
+const CLAIM_TYPES: [Type; 3] = [Type::TEXT, Type::TEXT, Type::TEXT];
+
 /// What the transaction decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClaimOutcome {
@@ -112,6 +116,7 @@ const PARTITIONED_CLAIM_SQL: &str = concat!(
     inside_open_transaction!(),
     " ON CONFLICT DO NOTHING"
 );
+const PARTITIONED_LOCK_TYPES: [Type; 2] = [Type::TEXT, Type::TEXT];
 
 /// How the transaction recognises a message it already applied.
 #[derive(Debug, Clone, Copy)]
@@ -357,6 +362,7 @@ const BULK_CLAIM_SQL: &str = concat!(
     " ORDER BY claim.key COLLATE \"C\" \
      ON CONFLICT DO NOTHING RETURNING message_key"
 );
+const BULK_CLAIM_TYPES: [Type; 3] = [Type::TEXT, Type::TEXT_ARRAY, Type::TEXT_ARRAY];
 
 /// The ledger claims of a batch, one statement for all: each key once, in key order.
 struct BulkClaim<'a> {
@@ -414,10 +420,7 @@ async fn apply_batch_optimistic(
         digests: claim_digests,
     } = BulkClaim::of(plans, &order, &mut items);
     let bulk_claim = session
-        .statement(
-            BULK_CLAIM_SQL,
-            &[Type::TEXT, Type::TEXT_ARRAY, Type::TEXT_ARRAY],
-        )
+        .statement(BULK_CLAIM_SQL, &BULK_CLAIM_TYPES)
         .await
         .map_err(host_error("claim"))?;
     let mut works = Vec::with_capacity(plans.len());
@@ -678,7 +681,7 @@ impl<'p> Work<'p> {
                 let lock = if *partitioned {
                     Some(
                         session
-                            .statement(PARTITIONED_LOCK_SQL, &[Type::TEXT, Type::TEXT])
+                            .statement(PARTITIONED_LOCK_SQL, &PARTITIONED_LOCK_TYPES)
                             .await
                             .map_err(host_error("claim"))?,
                     )
@@ -691,7 +694,7 @@ impl<'p> Work<'p> {
                     CLAIM_SQL
                 };
                 let statement = session
-                    .statement(sql, &[Type::TEXT, Type::TEXT, Type::TEXT])
+                    .statement(sql, &CLAIM_TYPES)
                     .await
                     .map_err(host_error("claim"))?;
                 let values: [&'p (dyn ToSql + Sync); 3] = [consumer, &plan.key, plugin_digest];

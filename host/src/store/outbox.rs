@@ -209,14 +209,15 @@ pub async fn record(
 pub async fn clean(pool: &PgPool, retention: Duration) -> Result<u64, sqlx::Error> {
     let mut deleted = 0;
     loop {
-        let mut transaction = pool.begin().await?;
-        let batch = bookkeeping::query(CLEAN_SQL)
-            .bind(retention.as_secs_f64())
-            .bind(10_000_i64)
-            .execute(&mut *transaction)
-            .await?
-            .rows_affected();
-        transaction.commit().await?;
+        let batch = bookkeeping::in_transaction(pool, async |connection| {
+            bookkeeping::query(CLEAN_SQL)
+                .bind(retention.as_secs_f64())
+                .bind(10_000_i64)
+                .execute(connection)
+                .await
+        })
+        .await?
+        .rows_affected();
         deleted += batch;
         if batch == 0 {
             return Ok(deleted);
@@ -234,16 +235,17 @@ pub struct Backlog {
 
 /// Counts the outbox rows by state.
 pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
-    let mut transaction = pool.begin().await?;
-    let row = bookkeeping::query(
-        "SELECT count(*) FILTER (WHERE delivered_at IS NULL AND parked_at IS NULL) AS pending, \
-                count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked, \
-                count(*) FILTER (WHERE delivered_at IS NOT NULL) AS delivered \
-         FROM idem_outbox",
-    )
-    .fetch_one(&mut *transaction)
+    let row = bookkeeping::in_transaction(pool, async |connection| {
+        bookkeeping::query(
+            "SELECT count(*) FILTER (WHERE delivered_at IS NULL AND parked_at IS NULL) AS pending, \
+                    count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked, \
+                    count(*) FILTER (WHERE delivered_at IS NOT NULL) AS delivered \
+             FROM idem_outbox",
+        )
+        .fetch_one(connection)
+        .await
+    })
     .await?;
-    transaction.commit().await?;
     Ok(Backlog {
         pending: row.try_get("pending")?,
         parked: row.try_get("parked")?,
@@ -287,21 +289,21 @@ pub async fn undelivered(
     parked_only: bool,
     limit: i64,
 ) -> Result<Vec<Undelivered>, sqlx::Error> {
-    let mut transaction = pool.begin().await?;
-    let rows = bookkeeping::query_as(
-        "SELECT id, consumer, destination, idempotency_key, attempts, last_error, \
-                extract(epoch FROM now() - created_at)::float8 AS age_seconds, \
-                parked_at IS NOT NULL AS parked \
-         FROM idem_outbox \
-         WHERE delivered_at IS NULL AND (parked_at IS NOT NULL OR NOT $1) \
-         ORDER BY id LIMIT $2",
-    )
-    .bind(parked_only)
-    .bind(limit)
-    .fetch_all(&mut *transaction)
-    .await?;
-    transaction.commit().await?;
-    Ok(rows)
+    bookkeeping::in_transaction(pool, async |connection| {
+        bookkeeping::query_as(
+            "SELECT id, consumer, destination, idempotency_key, attempts, last_error, \
+                    extract(epoch FROM now() - created_at)::float8 AS age_seconds, \
+                    parked_at IS NOT NULL AS parked \
+             FROM idem_outbox \
+             WHERE delivered_at IS NULL AND (parked_at IS NOT NULL OR NOT $1) \
+             ORDER BY id LIMIT $2",
+        )
+        .bind(parked_only)
+        .bind(limit)
+        .fetch_all(connection)
+        .await
+    })
+    .await
 }
 
 /// Unparks the parked rows of `destination` (all when `None`), or only row `id`: they are
@@ -312,17 +314,17 @@ pub async fn retry_parked(
     destination: Option<&str>,
     id: Option<i64>,
 ) -> Result<Vec<i64>, sqlx::Error> {
-    let mut transaction = pool.begin().await?;
-    let ids = bookkeeping::query_scalar(
-        "UPDATE idem_outbox SET parked_at = NULL, attempts = 0, next_attempt_at = now() \
-         WHERE parked_at IS NOT NULL AND delivered_at IS NULL \
-           AND ($1::text IS NULL OR destination = $1) AND ($2::int8 IS NULL OR id = $2) \
-         RETURNING id",
-    )
-    .bind(destination)
-    .bind(id)
-    .fetch_all(&mut *transaction)
-    .await?;
-    transaction.commit().await?;
-    Ok(ids)
+    bookkeeping::in_transaction(pool, async |connection| {
+        bookkeeping::query_scalar(
+            "UPDATE idem_outbox SET parked_at = NULL, attempts = 0, next_attempt_at = now() \
+             WHERE parked_at IS NOT NULL AND delivered_at IS NULL \
+               AND ($1::text IS NULL OR destination = $1) AND ($2::int8 IS NULL OR id = $2) \
+             RETURNING id",
+        )
+        .bind(destination)
+        .bind(id)
+        .fetch_all(connection)
+        .await
+    })
+    .await
 }

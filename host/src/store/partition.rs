@@ -29,15 +29,15 @@ pub struct Maintenance {
 
 /// True when `processed_messages` is a partitioned table.
 pub async fn is_partitioned(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    let mut transaction = pool.begin().await?;
-    let partitioned = bookkeeping::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table p JOIN pg_class c ON c.oid = p.partrelid \
-         WHERE c.relname = 'processed_messages' AND c.relnamespace = current_schema()::regnamespace)",
-    )
-    .fetch_one(&mut *transaction)
-    .await?;
-    transaction.commit().await?;
-    Ok(partitioned)
+    bookkeeping::in_transaction(pool, async |connection| {
+        bookkeeping::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table p JOIN pg_class c ON c.oid = p.partrelid \
+             WHERE c.relname = 'processed_messages' AND c.relnamespace = current_schema()::regnamespace)",
+        )
+        .fetch_one(connection)
+        .await
+    })
+    .await
 }
 
 /// Converts a plain `processed_messages` into a table partitioned by day, keeping every claim,
@@ -180,12 +180,12 @@ pub async fn maintain(
     }
     transaction.commit().await?;
     // Counted after the partitions' locks are released.
-    let mut transaction = pool.begin().await?;
-    maintenance.stray_rows =
+    maintenance.stray_rows = bookkeeping::in_transaction(pool, async |connection| {
         bookkeeping::query_scalar("SELECT count(*) FROM processed_messages_default")
-            .fetch_one(&mut *transaction)
-            .await?;
-    transaction.commit().await?;
+            .fetch_one(connection)
+            .await
+    })
+    .await?;
     Ok(maintenance)
 }
 

@@ -62,11 +62,15 @@ async fn probe(options: &PgConnectOptions, read_write: bool) -> Result<(), sqlx:
     let read_only = read_write && is_read_only(&mut connection).await?;
     let _ = connection.close().await;
     if read_only {
-        return Err(sqlx::Error::Io(std::io::Error::other(
-            "does not take writes (transaction_read_only = on)",
-        )));
+        return Err(takes_no_writes());
     }
     Ok(())
+}
+
+fn takes_no_writes() -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::other(
+        "the host does not take writes (transaction_read_only = on)",
+    ))
 }
 
 /// Whether the connection's server takes no writes now (a standby, or
@@ -81,9 +85,7 @@ async fn is_read_only(connection: &mut PgConnection) -> Result<bool, sqlx::Error
 /// (towards the host `watch` finds).
 pub(super) async fn guard_connect(connection: &mut PgConnection) -> Result<(), sqlx::Error> {
     if is_read_only(connection).await? {
-        return Err(sqlx::Error::Io(std::io::Error::other(
-            "the host does not take writes (transaction_read_only = on)",
-        )));
+        return Err(takes_no_writes());
     }
     Ok(())
 }
@@ -105,7 +107,9 @@ pub(super) fn watch(pool: PgPool, candidates: Candidates) {
                 () = tokio::time::sleep(WATCH_EVERY) => {}
                 () = &mut closed => return,
             }
-            if takes_writes(&pool).await {
+            // The pool's guards hand out only a connection that takes writes (with
+            // `read_write`): one it can hand out means its host still serves.
+            if pool.acquire().await.is_ok() {
                 continue;
             }
             match find(&candidates).await {
@@ -123,13 +127,6 @@ pub(super) fn watch(pool: PgPool, candidates: Candidates) {
             }
         }
     });
-}
-
-async fn takes_writes(pool: &PgPool) -> bool {
-    match pool.acquire().await {
-        Ok(mut connection) => matches!(is_read_only(&mut connection).await, Ok(false)),
-        Err(_) => false,
-    }
 }
 
 /// `host:port` (or the socket directory) of `options`, for logs and errors.

@@ -56,20 +56,22 @@ pub async fn record_windows(
         let entry = longest.entry(consumer).or_default();
         *entry = (*entry).max(window);
     }
-    let mut transaction = pool.begin().await?;
-    for (consumer, window) in longest {
-        bookkeeping::query(
-            "INSERT INTO idem_consumers (consumer, retention_window) \
-             VALUES ($1, make_interval(secs => $2)) \
-             ON CONFLICT (consumer) DO UPDATE \
-               SET retention_window = EXCLUDED.retention_window, recorded_at = now()",
-        )
-        .bind(consumer)
-        .bind(window.as_secs_f64())
-        .execute(&mut *transaction)
-        .await?;
-    }
-    transaction.commit().await
+    bookkeeping::in_transaction(pool, async |connection| {
+        for (consumer, window) in longest {
+            bookkeeping::query(
+                "INSERT INTO idem_consumers (consumer, retention_window) \
+                 VALUES ($1, make_interval(secs => $2)) \
+                 ON CONFLICT (consumer) DO UPDATE \
+                   SET retention_window = EXCLUDED.retention_window, recorded_at = now()",
+            )
+            .bind(consumer)
+            .bind(window.as_secs_f64())
+            .execute(&mut *connection)
+            .await?;
+        }
+        Ok(())
+    })
+    .await
 }
 
 /// What a cleaning pass did.
@@ -93,15 +95,16 @@ pub async fn clean_consumer(
 ) -> Result<u64, sqlx::Error> {
     let mut deleted_total = 0;
     loop {
-        let mut transaction = pool.begin().await?;
-        let deleted = bookkeeping::query(DELETE_BATCH_SQL)
-            .bind(consumer)
-            .bind(retention.window.as_secs_f64())
-            .bind(i64::from(retention.batch_size.get()))
-            .execute(&mut *transaction)
-            .await?
-            .rows_affected();
-        transaction.commit().await?;
+        let deleted = bookkeeping::in_transaction(pool, async |connection| {
+            bookkeeping::query(DELETE_BATCH_SQL)
+                .bind(consumer)
+                .bind(retention.window.as_secs_f64())
+                .bind(i64::from(retention.batch_size.get()))
+                .execute(connection)
+                .await
+        })
+        .await?
+        .rows_affected();
         deleted_total += deleted;
         debug!(consumer, deleted, "Retention batch.");
         if deleted == 0 || shutdown.is_cancelled() {

@@ -43,19 +43,17 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             println!("  {:<13} {:?}: {}", line.label, line.name, line.state);
         }
         if let Some(pool) = &pool {
-            let claims: Result<(i64, Option<f64>), sqlx::Error> = async {
-                let mut transaction = pool.begin().await?;
-                let claims = bookkeeping::query_as(
-                    "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
-                     FROM processed_messages WHERE consumer = $1",
-                )
-                .bind(&pipeline_config.consumer)
-                .fetch_one(&mut *transaction)
-                .await?;
-                transaction.commit().await?;
-                Ok(claims)
-            }
-            .await;
+            let claims: Result<(i64, Option<f64>), sqlx::Error> =
+                bookkeeping::in_transaction(pool, async |connection| {
+                    bookkeeping::query_as(
+                        "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
+                         FROM processed_messages WHERE consumer = $1",
+                    )
+                    .bind(&pipeline_config.consumer)
+                    .fetch_one(connection)
+                    .await
+                })
+                .await;
             match claims {
                 Ok((count, oldest)) => println!(
                     "  claims        {count} (oldest {}, window {:?})",
