@@ -12,7 +12,9 @@ use tracing::{info, warn};
 use crate::backoff::Backoff;
 use crate::config::{DatabaseConfig, DatabaseTls, SslMode, redact_url};
 use crate::store::bookkeeping;
-use crate::store::fault::DatabaseFailure;
+use crate::store::fault::{
+    DatabaseFailure, TLS_SETTINGS, refused_setting, session_refused_setting,
+};
 use crate::store::primary::{self, Candidates};
 use crate::store::session::{SessionError, SessionPool, Setup};
 use crate::tls::Verify;
@@ -93,7 +95,6 @@ fn resolve(config: &DatabaseConfig) -> Result<Candidates, DatabaseError> {
     Ok(Candidates {
         hosts: options,
         read_write: hosts.read_write,
-        is_refusal: |error| refused_setting(error).is_some(),
     })
 }
 
@@ -320,52 +321,6 @@ fn with_tls(mut options: PgConnectOptions, tls: &DatabaseTls) -> PgConnectOption
         options = options.ssl_client_key(key);
     }
     options
-}
-
-const TLS_SETTINGS: &str =
-    "sslmode, sslrootcert, sslcert and sslkey in [database] url (or [database.tls])";
-
-/// As `refused_setting`, for a session's connection.
-fn session_refused_setting(error: &SessionError) -> Option<&'static str> {
-    let SessionError::Postgres(postgres_error) = error else {
-        return None;
-    };
-    refused_by_server(error)
-        .or_else(|| crate::tls::chain_carries_tls_error(postgres_error).then_some(TLS_SETTINGS))
-}
-
-/// The setting to change when the server refused the credentials or the database, or a
-/// connection pooler refused a startup parameter (PgBouncer allows only a few unless its
-/// `ignore_startup_parameters` lists more).
-fn refused_by_server(error: &impl DatabaseFailure) -> Option<&'static str> {
-    match error.sqlstate().as_deref() {
-        Some("28P01" | "28000") => Some("the user and password in [database] url"),
-        Some("3D000") => Some("the database name in [database] url"),
-        _ if error
-            .server_message()
-            .is_some_and(|message| message.contains("unsupported startup parameter")) =>
-        {
-            Some(
-                "the parameters of [database] url (a connection pooler refuses a startup parameter: drop it from the URL, or list it in the pooler's ignore_startup_parameters)",
-            )
-        }
-        _ => None,
-    }
-}
-
-/// The setting to change when a connection failure is one no retry can fix: the server
-/// refused the credentials or the database, or TLS could not be set up as configured. A
-/// refused or unreachable address is not among them: it is retried.
-fn refused_setting(error: &sqlx::Error) -> Option<&'static str> {
-    match error {
-        sqlx::Error::Database(_) => refused_by_server(error),
-        sqlx::Error::Tls(_) => Some(TLS_SETTINGS),
-        // The handshake's verdict (an untrusted or mismatched certificate) arrives as an I/O
-        // error carrying the TLS error; a network failure carries none.
-        sqlx::Error::Io(io_error) if crate::tls::carries_tls_error(io_error) => Some(TLS_SETTINGS),
-        sqlx::Error::Configuration(_) => Some("[database] url"),
-        _ => None,
-    }
 }
 
 /// How the pool's sessions talk to the server: `TLSv1.3 TLS_AES_256_GCM_SHA384`, or

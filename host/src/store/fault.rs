@@ -4,6 +4,9 @@
 //! Architecture invariant: a message is rejected only for its own data. Anything the
 //! database, the network, the host or the operator's configuration caused keeps the message
 //! unacked: retried, or the pipeline paused until the configuration works again.
+//!
+//! The same question for a connection (`refused_setting`): a refusal no retry can fix names
+//! the setting to change and stops the host; anything else is an outage, retried.
 
 use crate::store::session::SessionError;
 
@@ -151,6 +154,53 @@ pub fn describe(error: &impl DatabaseFailure) -> String {
         },
         (Some(message), None) => message,
         _ => error.to_string(),
+    }
+}
+
+/// The settings to change when TLS cannot be set up as configured.
+pub(crate) const TLS_SETTINGS: &str =
+    "sslmode, sslrootcert, sslcert and sslkey in [database] url (or [database.tls])";
+
+/// As `refused_setting`, for a session's connection.
+pub(crate) fn session_refused_setting(error: &SessionError) -> Option<&'static str> {
+    let SessionError::Postgres(postgres_error) = error else {
+        return None;
+    };
+    refused_by_server(error)
+        .or_else(|| crate::tls::chain_carries_tls_error(postgres_error).then_some(TLS_SETTINGS))
+}
+
+/// The setting to change when the server refused the credentials or the database, or a
+/// connection pooler refused a startup parameter (PgBouncer allows only a few unless its
+/// `ignore_startup_parameters` lists more).
+fn refused_by_server(error: &impl DatabaseFailure) -> Option<&'static str> {
+    match error.sqlstate().as_deref() {
+        Some("28P01" | "28000") => Some("the user and password in [database] url"),
+        Some("3D000") => Some("the database name in [database] url"),
+        _ if error
+            .server_message()
+            .is_some_and(|message| message.contains("unsupported startup parameter")) =>
+        {
+            Some(
+                "the parameters of [database] url (a connection pooler refuses a startup parameter: drop it from the URL, or list it in the pooler's ignore_startup_parameters)",
+            )
+        }
+        _ => None,
+    }
+}
+
+/// The setting to change when a connection failure is one no retry can fix: the server
+/// refused the credentials or the database, or TLS could not be set up as configured. A
+/// refused or unreachable address is not among them: it is retried.
+pub(crate) fn refused_setting(error: &sqlx::Error) -> Option<&'static str> {
+    match error {
+        sqlx::Error::Database(_) => refused_by_server(error),
+        sqlx::Error::Tls(_) => Some(TLS_SETTINGS),
+        // The handshake's verdict (an untrusted or mismatched certificate) arrives as an I/O
+        // error carrying the TLS error; a network failure carries none.
+        sqlx::Error::Io(io_error) if crate::tls::carries_tls_error(io_error) => Some(TLS_SETTINGS),
+        sqlx::Error::Configuration(_) => Some("[database] url"),
+        _ => None,
     }
 }
 

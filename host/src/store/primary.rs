@@ -12,6 +12,8 @@ use sqlx::postgres::{PgConnectOptions, PgConnection};
 use sqlx::{ConnectOptions, Connection, PgPool, Row};
 use tracing::{info, warn};
 
+use crate::store::fault;
+
 /// How long one host may take to answer a probe.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -25,13 +27,10 @@ pub(crate) struct Candidates {
     pub hosts: Vec<PgConnectOptions>,
     /// Only a host that takes writes will do.
     pub read_write: bool,
-    /// Whether a connection failure is a refusal every host would give (credentials,
-    /// database, TLS), which ends the search.
-    pub is_refusal: fn(&sqlx::Error) -> bool,
 }
 
 /// The first host, in the URL's order, that answers and (with `read_write`) takes writes. A
-/// refusal is returned at once.
+/// refusal (credentials, database, TLS: every host would give it) is returned at once.
 pub(super) async fn find(candidates: &Candidates) -> Result<PgConnectOptions, sqlx::Error> {
     if candidates.hosts.len() == 1 && !candidates.read_write {
         return Ok(candidates.hosts[0].clone());
@@ -40,7 +39,7 @@ pub(super) async fn find(candidates: &Candidates) -> Result<PgConnectOptions, sq
     for options in &candidates.hosts {
         match probe(options, candidates.read_write).await {
             Ok(()) => return Ok(options.clone()),
-            Err(error) if (candidates.is_refusal)(&error) => return Err(error),
+            Err(error) if fault::refused_setting(&error).is_some() => return Err(error),
             Err(error) => passed.push(format!("{}: {error}", address(options))),
         }
     }
