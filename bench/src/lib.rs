@@ -90,8 +90,7 @@ pub async fn loyalty_database(
     let pool = sqlx::PgPool::connect(database_url)
         .await
         .expect("bench database");
-    idem_host::store::database::MIGRATOR
-        .run(&pool)
+    idem_host::store::database::migrate_tables(&pool, &Default::default())
         .await
         .expect("migrations");
     sqlx::raw_sql(SCHEMA).execute(&pool).await.expect("schema");

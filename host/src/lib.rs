@@ -60,7 +60,7 @@ use crate::pipeline::{Pipeline, PipelineError};
 use crate::relay::RelayWaker;
 use crate::sandbox::{PluginError, PluginRuntime};
 use crate::source::SourceError;
-use crate::store::database::{self, DatabaseError};
+use crate::store::database::{self, DatabaseError, Databases};
 use crate::store::retention;
 
 /// Why the host could not start.
@@ -123,35 +123,44 @@ async fn serve(
     metrics: Arc<Metrics>,
     token: &CancellationToken,
 ) -> Result<(), StartError> {
-    let Some(database) = database::connect(&config.database, token).await? else {
+    let Some(databases) = Databases::connect(config, token).await? else {
         return Ok(());
     };
-    let pool = database.pool.clone();
-    database::check_schema(&pool, &config.database, config.outbox.is_some()).await?;
-    retention::record_consumers(&pool, &config.database, &config.pipelines).await?;
+    // `Databases` opened them in the config's order.
+    for ((name, database_config), (_, database)) in config.all_databases().zip(databases.iter()) {
+        database::check_schema(&database.pool, database_config, config.outbox.is_some()).await?;
+        retention::record_consumers(&database.pool, database_config, &config.pipelines_in(name))
+            .await?;
+    }
     let runtime = PluginRuntime::for_config(config)?;
-    let waker = RelayWaker::default();
+    // One relay per database, woken by the pipelines that write there.
+    let wakers: Vec<RelayWaker> = databases.iter().map(|_| RelayWaker::default()).collect();
     let mut pipelines = Vec::with_capacity(config.pipelines.len());
     for pipeline_config in &config.pipelines {
+        let name = pipeline_config.database.as_deref();
         let mut pipeline = Pipeline::start(
             pipeline_config.clone(),
             runtime.clone(),
-            &database,
+            databases.named(name),
             Arc::clone(&metrics),
         )
         .await?;
-        pipeline.relay = waker.clone();
+        let position = databases.iter().position(|(opened, _)| opened == name);
+        pipeline.relay = wakers[position.expect("opened from the config")].clone();
         pipelines.push(Arc::new(pipeline));
     }
     if let Some(outbox_config) = config.outbox.as_ref().filter(|outbox| outbox.relay) {
-        relay::spawn_relay(
-            outbox_config.clone(),
-            relay::http_clients(outbox_config)?,
-            pool.clone(),
-            Arc::clone(&metrics),
-            waker,
-            token.clone(),
-        );
+        let http_clients = relay::http_clients(outbox_config)?;
+        for ((_, database), waker) in databases.iter().zip(&wakers) {
+            relay::spawn_relay(
+                outbox_config.clone(),
+                http_clients.clone(),
+                database.clone(),
+                Arc::clone(&metrics),
+                waker.clone(),
+                token.clone(),
+            );
+        }
     }
     let http = match &config.http {
         Some(http_config) => Some(
@@ -159,7 +168,7 @@ async fn serve(
                 http_config,
                 pipelines.clone(),
                 Arc::clone(&metrics),
-                pool.clone(),
+                databases.clone(),
                 token.clone(),
             )
             .await?,
@@ -168,13 +177,19 @@ async fn serve(
     };
     reload::spawn_watcher(pipelines.clone(), token.clone());
     reload::spawn_sighup_listener(pipelines.clone(), token.clone());
-    retention::spawn_cleaner(&config.pipelines, pool.clone(), metrics, token.clone());
+    for (name, database) in databases.iter() {
+        retention::spawn_cleaner(
+            &config.pipelines_in(name),
+            database.clone(),
+            Arc::clone(&metrics),
+            token.clone(),
+        );
+    }
     let refused = consume(&pipelines, token).await;
     if let Some(http) = http {
         let _ = http.await;
     }
-    database.sessions.close_idle();
-    pool.close().await;
+    databases.close().await;
     match refused {
         Some(error) => Err(error.into()),
         None => Ok(()),

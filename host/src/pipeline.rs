@@ -120,16 +120,16 @@ impl Pipeline {
         database: &Database,
         metrics: Arc<Metrics>,
     ) -> Result<Pipeline, PipelineError> {
-        let pool = &database.pool;
         let plugin = load_plugin(&runtime, &config).await?;
         let statements = StatementCatalog::prepare(&database.sessions, &config).await?;
         self_test(&runtime, &config, &statements, &plugin).await?;
-        let partitioned_claims = crate::store::partition::is_partitioned(pool)
-            .await
-            .map_err(|source| PipelineError::Schema {
-                pipeline: config.name.clone(),
-                source,
-            })?;
+        let partitioned_claims =
+            crate::store::partition::is_partitioned(&database.pool, &database.tables)
+                .await
+                .map_err(|source| PipelineError::Schema {
+                    pipeline: config.name.clone(),
+                    source,
+                })?;
         if partitioned_claims
             && config.claim == ClaimMode::Ledger
             && config.transaction.isolation != Isolation::ReadCommitted
@@ -140,7 +140,7 @@ impl Pipeline {
             });
         }
         if let Some(role) = &config.transaction.role {
-            check_role(pool, &config.name, role).await?;
+            check_role(&database.pool, &config.name, role).await?;
         }
         info!(
             pipeline = %config.name,

@@ -8,6 +8,7 @@ use idem_e2e::{TestEnv, idem_binary, order, spawn_idem, unacked, wait_for};
 use idem_host::config::RetentionConfig;
 use idem_host::metrics::Metrics;
 use idem_host::store::retention::{self, Pass};
+use idem_host::store::tables::Tables;
 use tokio_util::sync::CancellationToken;
 
 /// Batched cleanup removes exactly the claims outside the window, of its own consumer only,
@@ -43,6 +44,7 @@ async fn retention_deletes_exactly_the_claims_outside_the_window() {
     let metrics = Metrics::new();
     let pass = retention::clean_all(
         &env.pool,
+        &Tables::default(),
         &[("loyalty".into(), "loyalty".into(), retention)],
         Some(&metrics),
         &CancellationToken::new(),
@@ -86,14 +88,21 @@ async fn retention_deletes_exactly_the_claims_outside_the_window() {
 
     // A second host cannot clean while one holds the lock.
     let mut holder = env.pool.acquire().await.expect("connection");
-    sqlx::query("SELECT pg_advisory_lock($1)")
-        .bind(0x1de3_0000_0000_0001_i64)
-        .execute(&mut *holder)
-        .await
-        .expect("take the cleaning lock");
-    let busy = retention::clean_all(&env.pool, &[], None, &CancellationToken::new())
-        .await
-        .expect("cleanup runs");
+    sqlx::query(
+        "SELECT pg_advisory_lock(hashtextextended('idem-retention ' || current_schema(), 0))",
+    )
+    .execute(&mut *holder)
+    .await
+    .expect("take the cleaning lock");
+    let busy = retention::clean_all(
+        &env.pool,
+        &Tables::default(),
+        &[],
+        None,
+        &CancellationToken::new(),
+    )
+    .await
+    .expect("cleanup runs");
     assert_eq!(busy, Pass::Busy);
     drop(holder);
     env.cleanup().await;
@@ -314,12 +323,18 @@ async fn partition_mode_drops_old_days_and_still_deduplicates() {
     .expect("seed claims");
 
     assert_eq!(
-        partition::convert(&env.pool).await.expect("convert"),
+        partition::convert(&env.pool, &Tables::default())
+            .await
+            .expect("convert"),
         partition::Conversion::Converted
     );
-    assert!(partition::is_partitioned(&env.pool).await.expect("inspect"));
+    assert!(
+        partition::is_partitioned(&env.pool, &Tables::default())
+            .await
+            .expect("inspect")
+    );
     assert_eq!(
-        partition::convert(&env.pool)
+        partition::convert(&env.pool, &Tables::default())
             .await
             .expect("second convert is a no-op"),
         partition::Conversion::AlreadyPartitioned
@@ -329,9 +344,13 @@ async fn partition_mode_drops_old_days_and_still_deduplicates() {
         301
     );
 
-    let maintenance = partition::maintain(&env.pool, Duration::from_secs(30 * 86_400))
-        .await
-        .expect("maintain");
+    let maintenance = partition::maintain(
+        &env.pool,
+        &Tables::default(),
+        Duration::from_secs(30 * 86_400),
+    )
+    .await
+    .expect("maintain");
     assert!(maintenance.dropped.len() >= 2, "{maintenance:?}");
     assert_eq!(maintenance.stray_rows, 0);
     assert_eq!(env.count("SELECT count(*) FROM processed_messages WHERE message_key LIKE 'd45:%' OR message_key LIKE 'd31:%'").await, 0);
@@ -423,32 +442,49 @@ async fn partition_retention_keeps_every_consumers_window() {
         .await
         .expect("session up");
     assert_eq!(
-        partition::convert(&env.pool).await.expect("convert"),
+        partition::convert(&env.pool, &Tables::default())
+            .await
+            .expect("convert"),
         partition::Conversion::HostsConnected { sessions: 1 }
     );
-    assert!(!partition::is_partitioned(&env.pool).await.expect("inspect"));
+    assert!(
+        !partition::is_partitioned(&env.pool, &Tables::default())
+            .await
+            .expect("inspect")
+    );
     host_session.close().await;
     // The server lists a closed session until its backend has exited: a moment later.
     wait_for(
         "the conversion once the host is gone",
         Duration::from_secs(10),
         || async {
-            partition::convert(&env.pool).await.expect("convert")
+            partition::convert(&env.pool, &Tables::default())
+                .await
+                .expect("convert")
                 == partition::Conversion::Converted
         },
     )
     .await;
 
     // The 30-day consumer's host recorded its window; this host knows only the 1-day one.
-    retention::record_windows(&env.pool, [("long", Duration::from_secs(30 * 86_400))])
-        .await
-        .expect("record the long window");
-    retention::record_windows(&env.pool, [("short", Duration::from_secs(86_400))])
-        .await
-        .expect("record the short window");
-    let maintenance = partition::maintain(&env.pool, Duration::from_secs(86_400))
-        .await
-        .expect("maintain");
+    retention::record_windows(
+        &env.pool,
+        &Tables::default(),
+        [("long", Duration::from_secs(30 * 86_400))],
+    )
+    .await
+    .expect("record the long window");
+    retention::record_windows(
+        &env.pool,
+        &Tables::default(),
+        [("short", Duration::from_secs(86_400))],
+    )
+    .await
+    .expect("record the short window");
+    let maintenance =
+        partition::maintain(&env.pool, &Tables::default(), Duration::from_secs(86_400))
+            .await
+            .expect("maintain");
     assert!(!maintenance.dropped.is_empty(), "{maintenance:?}");
     let young = env
         .count("SELECT count(*) FROM processed_messages WHERE processed_at > now() - interval '30 days'")

@@ -183,7 +183,7 @@ async fn outbox_delivers_each_receipt_once_through_failures_and_a_killed_relay()
         0
     );
     assert_eq!(env.count("SELECT count(*) FROM receipts").await, orders);
-    let backlog = idem_host::store::outbox::backlog(&env.pool)
+    let backlog = idem_host::store::outbox::backlog(&env.pool, &Default::default())
         .await
         .expect("outbox backlog");
     assert_eq!(

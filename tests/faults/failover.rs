@@ -3,6 +3,8 @@
 //! multi-host URL, a steady producer. First `pg_autoctl perform failover`, then the new
 //! primary's machine dies (its keeper and PostgreSQL SIGKILLed) and the monitor promotes the
 //! other node. Every order is credited once, nothing is dead-lettered, both hosts stay up.
+//! The same again through a PgBouncer on each node (transaction pooling), the URL listing the
+//! poolers: a machine that dies takes its pooler with it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,6 +12,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use idem_e2e::auto_failover::Formation;
+use idem_e2e::pgbouncer::PgBouncer;
 use idem_e2e::soak::RabbitPublisher;
 use idem_e2e::{TestEnv, create_database, order, wait_for};
 use idem_host::config::Config;
@@ -18,8 +21,17 @@ use super::{SERIAL, customer, sized, total};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_failovers_under_load_with_two_hosts() {
+    failovers_under_load("fault_failover", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_failovers_through_pgbouncer_under_load_with_two_hosts() {
+    failovers_under_load("fault_failover_bouncer", true).await;
+}
+
+async fn failovers_under_load(name: &str, through_pgbouncer: bool) {
     let _serial = SERIAL.lock().await;
-    let env = TestEnv::new("fault_failover").await;
+    let env = TestEnv::new(name).await;
     let label = env.database.clone();
     let formation = tokio::task::spawn_blocking(move || Formation::start(&label, 2))
         .await
@@ -28,9 +40,42 @@ async fn postgres_failovers_under_load_with_two_hosts() {
     let (_, first_pool) =
         create_database(&formation.node_url(primary, "postgres"), &env.database).await;
     first_pool.close().await;
-    let url = formation.url(&env.database);
-    assert!(url.contains(','), "a multi-host URL: {url}");
-    let text = env.config_text_at(&url, "loyalty", "");
+    // One pooler per node, as where each runs beside its PostgreSQL.
+    let mut bouncers: Vec<Option<PgBouncer>> = if through_pgbouncer {
+        (0..2)
+            .map(|node| {
+                Some(PgBouncer::in_front_of(
+                    formation.node_port(node),
+                    &format!("{}-{node}", env.database),
+                    "transaction",
+                    4,
+                ))
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let text = if through_pgbouncer {
+        let hosts: Vec<String> = bouncers
+            .iter()
+            .flatten()
+            .map(|bouncer| format!("127.0.0.1:{}", bouncer.port))
+            .collect();
+        let url = format!(
+            "postgres://postgres@{}/{}?sslmode=disable&target_session_attrs=read-write",
+            hosts.join(","),
+            env.database
+        );
+        env.config_text_at(&url, "loyalty", "").replacen(
+            "[database]\n",
+            "[database]\npooling = \"transaction\"\n",
+            1,
+        )
+    } else {
+        let url = formation.url(&env.database);
+        assert!(url.contains(','), "a multi-host URL: {url}");
+        env.config_text_at(&url, "loyalty", "")
+    };
     let config =
         Config::from_toml(Path::new("/tmp/idem-fault-failover.toml"), &text).expect("config");
     let hosts = [env.start_host(config.clone()), env.start_host(config)];
@@ -89,6 +134,9 @@ async fn postgres_failovers_under_load_with_two_hosts() {
             tokio::task::block_in_place(|| formation.perform_failover());
         } else {
             formation.kill_node(old);
+            if let Some(bouncer) = bouncers.get_mut(old) {
+                bouncer.take();
+            }
         }
         let mut promoted = None;
         let resumed_in_time = tokio::time::timeout(Duration::from_secs(180), async {
@@ -119,7 +167,12 @@ async fn postgres_failovers_under_load_with_two_hosts() {
     .await;
     for (step, before, promoted, elapsed) in &resumed {
         println!(
-            "failover: {step} with {before} of {orders} applied; the other node took writes {:.1} s later, consumption resumed {:.1} s later",
+            "failover{}: {step} with {before} of {orders} applied; the other node took writes {:.1} s later, consumption resumed {:.1} s later",
+            if through_pgbouncer {
+                " through PgBouncer"
+            } else {
+                ""
+            },
             promoted.as_secs_f64(),
             elapsed.as_secs_f64()
         );
@@ -162,6 +215,7 @@ async fn postgres_failovers_under_load_with_two_hosts() {
         "balances differ from the ledger"
     );
     pool.close().await;
+    drop(bouncers);
     drop(formation);
     env.cleanup().await;
 }

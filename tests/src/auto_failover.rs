@@ -146,6 +146,11 @@ impl Formation {
         )
     }
 
+    /// The port node `index` listens on.
+    pub fn node_port(&self, index: usize) -> u16 {
+        self.nodes[index].port
+    }
+
     /// Which node takes writes now (asked directly: a dead primary's last report to the
     /// monitor still says `primary`).
     pub fn writable(&self) -> Option<usize> {

@@ -23,6 +23,16 @@ impl PgBouncer {
     /// server connections per database and user, every database of 127.0.0.1:5432 behind it.
     /// Panics with its log when it does not listen within 10 s.
     pub fn start(label: &str, pool_mode: &str, server_connections: u32) -> PgBouncer {
+        PgBouncer::in_front_of(5432, label, pool_mode, server_connections)
+    }
+
+    /// As [`PgBouncer::start`], in front of the PostgreSQL on 127.0.0.1:`server_port`.
+    pub fn in_front_of(
+        server_port: u16,
+        label: &str,
+        pool_mode: &str,
+        server_connections: u32,
+    ) -> PgBouncer {
         let directory = std::env::temp_dir().join(format!("{label}-pgbouncer"));
         let _ = std::fs::remove_dir_all(&directory);
         std::fs::create_dir_all(&directory).expect("pgbouncer directory");
@@ -35,7 +45,7 @@ impl PgBouncer {
         std::fs::write(
             &ini,
             format!(
-                "[databases]\n* = host=127.0.0.1 port=5432\n\n[pgbouncer]\n\
+                "[databases]\n* = host=127.0.0.1 port={server_port}\n\n[pgbouncer]\n\
                  listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
                  auth_type = trust\nauth_file = {}\npool_mode = {pool_mode}\n\
                  default_pool_size = {server_connections}\nmax_client_conn = 500\n\

@@ -49,6 +49,15 @@ pub struct DatabaseConfig {
     /// prepared statement and sets its server settings in every transaction.
     #[serde(default)]
     pub pooling: Pooling,
+    /// The schema idem keeps its own tables in (the claims `processed_messages`,
+    /// `idem_outbox`, `idem_consumers`) with its own migration history
+    /// (`idem_migrations`), apart from the application's tables and migrations:
+    /// `"idem"`, say. `idem migrate` creates it, and moves idem's tables there from the
+    /// search path's first schema if an earlier installation left them there. Without it,
+    /// they are in the search path's first schema (`public`, usually), as before. Lower case
+    /// letters, digits and `_`.
+    #[serde(default)]
+    pub schema: Option<String>,
 }
 
 /// `[database] pooling`: how a connection pooler in front of PostgreSQL hands out its
@@ -111,13 +120,17 @@ impl DatabaseConfig {
     /// file's directory.
     pub(super) fn checked(
         table: Spanned<DatabaseConfig>,
+        key: &str,
         document: &Document,
     ) -> Result<DatabaseConfig, ConfigError> {
         let span = Some(table.span());
         let mut database = table.into_inner();
         database
             .hosts()
-            .map_err(|problem| document.at(span, "database.url", problem))?;
+            .map_err(|problem| document.at(span.clone(), &format!("{key}.url"), problem))?;
+        if let Some(problem) = database.schema.as_deref().and_then(schema_problem) {
+            return Err(document.at(span, &format!("{key}.schema"), problem));
+        }
         if let Some(tls) = &mut database.tls {
             for path in [&mut tls.root_cert, &mut tls.cert, &mut tls.key]
                 .into_iter()
@@ -133,6 +146,26 @@ impl DatabaseConfig {
     pub fn hosts(&self) -> Result<Hosts, String> {
         Hosts::of(&self.url)
     }
+}
+
+/// What is wrong with `[database] schema` as a schema name idem may create and name
+/// unquoted in messages: lower case letters, digits and `_`, not starting with a digit or
+/// `pg_` (PostgreSQL's own), at most 63 bytes.
+fn schema_problem(schema: &str) -> Option<String> {
+    let allowed = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_';
+    if schema.is_empty()
+        || schema.len() > 63
+        || !schema.chars().all(allowed)
+        || schema.starts_with(|c: char| c.is_ascii_digit())
+    {
+        return Some(format!(
+            "{schema:?} is not a schema name idem takes: 1 to 63 lower case letters, digits or _, not starting with a digit"
+        ));
+    }
+    if schema.starts_with("pg_") || schema == "information_schema" {
+        return Some(format!("{schema:?} is PostgreSQL's own schema"));
+    }
+    None
 }
 
 /// The servers a `[database] url` names: one, or libpq's list of hosts.

@@ -47,6 +47,9 @@ pub struct Config {
     /// The file it was read from.
     pub path: PathBuf,
     pub database: DatabaseConfig,
+    /// Further databases by name (`[databases.<name>]`), for pipelines whose effects live
+    /// elsewhere (`database = "<name>"`).
+    pub databases: BTreeMap<String, DatabaseConfig>,
     /// The HTTP endpoint (`/metrics`, `/healthz`, `/readyz`, `/admin/…`); none when absent.
     pub http: Option<HttpConfig>,
     /// Pipelines by name, in name order.
@@ -80,6 +83,12 @@ struct PipelinesFile {
     /// PostgreSQL: the claims, the effects and the outbox live there.
     #[schemars(with = "DatabaseConfig")]
     database: Spanned<DatabaseConfig>,
+    /// Further PostgreSQL databases by name, each with its own claims, outbox and migrations:
+    /// a pipeline whose effects live in one says `database = "<name>"` (the claim must be in
+    /// the same database as the effects).
+    #[serde(default)]
+    #[schemars(with = "BTreeMap<String, DatabaseConfig>")]
+    databases: BTreeMap<String, Spanned<DatabaseConfig>>,
     /// RabbitMQ: the broker of every pipeline that consumes a RabbitMQ queue and of every
     /// outbox destination that publishes to an exchange, which need it.
     #[schemars(with = "Option<AmqpConfig>")]
@@ -112,7 +121,15 @@ impl Config {
         let document = Document { path, text };
         let file: PipelinesFile =
             toml::from_str(text).map_err(|error| document.invalid(error.to_string()))?;
-        let database = DatabaseConfig::checked(file.database, &document)?;
+        let database = DatabaseConfig::checked(file.database, "database", &document)?;
+        let databases = file
+            .databases
+            .into_iter()
+            .map(|(name, table)| {
+                let key = format!("databases.{name}");
+                DatabaseConfig::checked(table, &key, &document).map(|table| (name, table))
+            })
+            .collect::<Result<BTreeMap<_, _>, _>>()?;
         let amqp = file
             .amqp
             .map(|table| AmqpConfig::checked(table, &document))
@@ -131,16 +148,47 @@ impl Config {
         let pipelines = file
             .pipelines
             .into_iter()
-            .map(|(name, raw)| raw.checked(name, outbox.as_ref(), amqp.as_ref(), &document))
+            .map(|(name, raw)| {
+                raw.checked(name, &databases, outbox.as_ref(), amqp.as_ref(), &document)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Config {
             path: path.to_path_buf(),
             database,
+            databases,
             http,
             pipelines,
             outbox,
             plugin_pool: file.plugin_pool.unwrap_or_default(),
         })
+    }
+
+    /// Every database: `[database]` (named `None`) first, then `[databases.<name>]` in name
+    /// order.
+    pub fn all_databases(&self) -> impl Iterator<Item = (Option<&str>, &DatabaseConfig)> {
+        std::iter::once((None, &self.database)).chain(
+            self.databases
+                .iter()
+                .map(|(name, database)| (Some(name.as_str()), database)),
+        )
+    }
+
+    /// The database `pipeline`'s claims, effects and outbox rows live in.
+    pub fn database_of(&self, pipeline: &PipelineConfig) -> &DatabaseConfig {
+        pipeline
+            .database
+            .as_ref()
+            .and_then(|name| self.databases.get(name))
+            .unwrap_or(&self.database)
+    }
+
+    /// The pipelines whose claims live in database `name` (`None`: `[database]`).
+    pub fn pipelines_in(&self, name: Option<&str>) -> Vec<PipelineConfig> {
+        self.pipelines
+            .iter()
+            .filter(|pipeline| pipeline.database.as_deref() == name)
+            .cloned()
+            .collect()
     }
 
     /// The pipeline called `name`, if configured.

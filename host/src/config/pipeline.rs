@@ -11,6 +11,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::ConfigError;
+use super::database::DatabaseConfig;
 use super::outbox::OutboxConfig;
 use super::source::rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqKeys};
 use super::source::{self, RawSource, SourceConfig};
@@ -28,6 +29,8 @@ pub struct PipelineConfig {
     pub source: SourceConfig,
     /// The consumer name written in claims; several consumers may share one ledger.
     pub consumer: String,
+    /// The `[databases.<name>]` its claims and effects live in; `None`: `[database]`.
+    pub database: Option<String>,
     /// The plugin component, resolved against the config file's directory.
     pub plugin: PathBuf,
     pub claim: ClaimMode,
@@ -286,6 +289,11 @@ pub(super) struct RawPipeline {
     /// The plugin component (`.wasm`), relative to this file's directory.
     #[serde(deserialize_with = "interpolated_path")]
     plugin: PathBuf,
+    /// The database its claims, effects and outbox rows live in: one of `[databases.<name>]`
+    /// by name (default: `[database]`). The claim must be in the same database as the
+    /// effects, so a pipeline's transaction is in exactly one.
+    #[schemars(with = "Option<String>")]
+    database: Option<Spanned<String>>,
     /// How a message is recognised as already applied (default `ledger`).
     #[serde(default = "default_claim")]
     #[schemars(with = "ClaimMode")]
@@ -346,6 +354,7 @@ impl RawPipeline {
     pub(super) fn checked(
         self,
         name: String,
+        databases: &BTreeMap<String, DatabaseConfig>,
         outbox: Option<&OutboxConfig>,
         amqp: Option<&AmqpConfig>,
         document: &Document,
@@ -355,6 +364,7 @@ impl RawPipeline {
             name: format!("pipelines.{name}"),
             span: None,
         };
+        self.check_database(databases, &table)?;
         if self.statements.get_ref().is_empty() {
             return Err(table.at(
                 Some(self.statements.span()),
@@ -392,6 +402,7 @@ impl RawPipeline {
             ));
         }
         Ok(PipelineConfig {
+            database: self.database.map(Spanned::into_inner),
             consumer: self.consumer.unwrap_or_else(|| name.clone()),
             plugin: document.resolve(&self.plugin),
             claim,
@@ -416,6 +427,37 @@ impl RawPipeline {
                 .collect(),
             name,
         })
+    }
+
+    /// `database`: one of the `[databases.<name>]` tables, when given.
+    fn check_database(
+        &self,
+        databases: &BTreeMap<String, DatabaseConfig>,
+        table: &Table,
+    ) -> Result<(), ConfigError> {
+        let Some(database) = &self.database else {
+            return Ok(());
+        };
+        if databases.contains_key(database.get_ref()) {
+            return Ok(());
+        }
+        let known = if databases.is_empty() {
+            "there is no [databases.<name>] table; without database, a pipeline uses [database]"
+                .to_string()
+        } else {
+            format!(
+                "the named databases are {}; without database, a pipeline uses [database]",
+                databases.keys().cloned().collect::<Vec<_>>().join(", ")
+            )
+        };
+        Err(table.at(
+            Some(database.span()),
+            "database",
+            format!(
+                "{:?} is not a [databases.<name>] table: {known}",
+                database.get_ref()
+            ),
+        ))
     }
 
     /// `claim_statement`: one of the statements, given exactly when the claim is natural.

@@ -468,3 +468,98 @@ fn a_database_url_may_list_hosts() {
         ],
     );
 }
+
+/// `[database] schema`: a plain schema name idem may create, or none.
+#[test]
+fn a_database_schema_is_a_plain_name() {
+    let with_schema = |schema: &str| {
+        VALID.replace(
+            "url = \"postgres://127.0.0.1/db\"\n",
+            &format!("url = \"postgres://127.0.0.1/db\"\nschema = \"{schema}\"\n"),
+        )
+    };
+    let config = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), &with_schema("idem"))
+        .expect("valid config");
+    assert_eq!(config.database.schema.as_deref(), Some("idem"));
+    let default = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), VALID).expect("valid");
+    assert_eq!(
+        default.database.schema, None,
+        "the search path's, as before"
+    );
+    for (schema, problem) in [
+        ("Idem", "not a schema name idem takes"),
+        ("", "not a schema name idem takes"),
+        ("1idem", "not a schema name idem takes"),
+        ("idem.claims", "not a schema name idem takes"),
+        ("pg_idem", "PostgreSQL's own schema"),
+        ("information_schema", "PostgreSQL's own schema"),
+    ] {
+        check_error(
+            &with_schema(schema),
+            &["line 2", "database.schema", problem],
+        );
+    }
+}
+
+/// `[databases.<name>]` tables and a pipeline's `database`: the named database, checked as
+/// `[database]` is, and a name that is not one refused naming the key.
+#[test]
+fn a_pipeline_may_name_another_database() {
+    let named = VALID.replace(
+        "[amqp]",
+        "[databases.billing]\nurl = \"postgres://billing-db/billing\"\nschema = \"idem\"\n\n[amqp]",
+    );
+    let with_database = |name: &str| {
+        named.replace(
+            "plugin = \"plugins/loyalty.wasm\"\n",
+            &format!("plugin = \"plugins/loyalty.wasm\"\ndatabase = \"{name}\"\n"),
+        )
+    };
+    let config = Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &with_database("billing"),
+    )
+    .expect("valid config");
+    let pipeline = &config.pipelines[0];
+    assert_eq!(pipeline.database.as_deref(), Some("billing"));
+    assert_eq!(
+        config.database_of(pipeline).url,
+        "postgres://billing-db/billing"
+    );
+    assert_eq!(
+        config
+            .all_databases()
+            .map(|(name, database)| (name, database.schema.as_deref()))
+            .collect::<Vec<_>>(),
+        [(None, None), (Some("billing"), Some("idem"))]
+    );
+    assert_eq!(config.pipelines_in(Some("billing")).len(), 1);
+    assert!(config.pipelines_in(None).is_empty());
+    let default = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), &named).expect("valid");
+    assert_eq!(
+        default.database_of(&default.pipelines[0]).url,
+        "postgres://127.0.0.1/db"
+    );
+    check_error(
+        &with_database("ledger"),
+        &[
+            "pipelines.loyalty.database",
+            "\"ledger\" is not a [databases.<name>] table",
+            "billing",
+        ],
+    );
+    check_error(
+        &VALID.replace(
+            "plugin = \"plugins/loyalty.wasm\"\n",
+            "plugin = \"plugins/loyalty.wasm\"\ndatabase = \"billing\"\n",
+        ),
+        &[
+            "pipelines.loyalty.database",
+            "there is no [databases.<name>] table",
+        ],
+    );
+    check_error(
+        &named.replace("schema = \"idem\"", "schema = \"Idem\""),
+        &["databases.billing.schema", "not a schema name"],
+    );
+}

@@ -15,6 +15,7 @@ use super::unix_seconds;
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use crate::source::{self, Depths};
+use crate::store::database::Databases;
 use crate::store::outbox;
 
 /// The key the outbox backlog is kept under, beside the pipelines' depths.
@@ -70,12 +71,23 @@ fn now() -> f64 {
     unix_seconds(SystemTime::now())
 }
 
+/// The outbox rows pending and parked, in every database.
+async fn backlog(databases: &Databases) -> Result<(i64, i64), sqlx::Error> {
+    let (mut pending, mut parked) = (0, 0);
+    for (_, database) in databases.iter() {
+        let backlog = outbox::backlog(&database.pool, &database.tables).await?;
+        pending += backlog.pending;
+        parked += backlog.parked;
+    }
+    Ok((pending, parked))
+}
+
 impl History {
     /// Samples `pipelines` until `shutdown`.
     pub(super) fn spawn(
         pipelines: Arc<Vec<Arc<Pipeline>>>,
         metrics: Arc<Metrics>,
-        pool: sqlx::PgPool,
+        databases: Databases,
         shutdown: CancellationToken,
     ) -> Arc<History> {
         let history = Arc::new(History::default());
@@ -101,9 +113,9 @@ impl History {
                         .and_then(|read| read.map(depths_json).map_err(|error| error.to_string()));
                         kept.keep(pipeline.name(), read);
                     }
-                    let backlog = outbox::backlog(&pool)
+                    let backlog = backlog(&databases)
                         .await
-                        .map(|backlog| json!({ "pending": backlog.pending, "parked": backlog.parked }))
+                        .map(|(pending, parked)| json!({ "pending": pending, "parked": parked }))
                         .map_err(|error| error.to_string());
                     kept.keep(OUTBOX, backlog);
                 }

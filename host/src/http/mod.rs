@@ -24,7 +24,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
-use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -32,12 +31,14 @@ use crate::config::HttpConfig;
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use crate::reload::{self, Reloaded};
+use crate::store::database::Databases;
 
 #[derive(Clone)]
 struct AppState {
     pipelines: Arc<Vec<Arc<Pipeline>>>,
     metrics: Arc<Metrics>,
-    pool: PgPool,
+    /// Every database of the config, for the outbox and readiness.
+    databases: Databases,
     admin_token: Option<Arc<str>>,
     /// Whether the listener is a loopback address: reads need no token there.
     loopback: bool,
@@ -74,7 +75,7 @@ pub async fn serve(
     config: &HttpConfig,
     pipelines: Vec<Arc<Pipeline>>,
     metrics: Arc<Metrics>,
-    pool: PgPool,
+    databases: Databases,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, HttpError> {
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -87,13 +88,13 @@ pub async fn serve(
     let history = history::History::spawn(
         Arc::clone(&pipelines),
         Arc::clone(&metrics),
-        pool.clone(),
+        databases.clone(),
         shutdown.clone(),
     );
     let state = AppState {
         pipelines,
         metrics,
-        pool,
+        databases,
         history,
         admin_token: config.admin_token.as_deref().map(Arc::from),
         loopback: config.listen.ip().is_loopback(),
@@ -228,18 +229,24 @@ async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
     )
 }
 
-/// Ready when the database answers and every pipeline is subscribed to its queue.
+/// Ready when every database answers and every pipeline is subscribed to its queue.
 async fn ready(State(state): State<AppState>) -> impl IntoResponse {
     let mut problems = Vec::new();
-    let database = tokio::time::timeout(
-        Duration::from_secs(2),
-        sqlx::raw_sql("SELECT 1").execute(&state.pool),
-    )
-    .await;
-    match database {
-        Ok(Ok(_)) => {}
-        Ok(Err(error)) => problems.push(format!("database: {error}")),
-        Err(_) => problems.push("database: no answer within 2 s".to_string()),
+    for (name, database) in state.databases.iter() {
+        let answer = tokio::time::timeout(
+            Duration::from_secs(2),
+            sqlx::raw_sql("SELECT 1").execute(&database.pool),
+        )
+        .await;
+        let label = match name {
+            Some(name) => format!("database {name:?}"),
+            None => "database".to_string(),
+        };
+        match answer {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => problems.push(format!("{label}: {error}")),
+            Err(_) => problems.push(format!("{label}: no answer within 2 s")),
+        }
     }
     for pipeline in state.pipelines.iter() {
         if let Some(paused) = pipeline.paused() {

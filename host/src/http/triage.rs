@@ -181,17 +181,24 @@ pub(super) async fn outbox_rows(
     Query(filter): Query<OutboxFilter>,
 ) -> Result<Answer, Answer> {
     let unavailable = |error| failed(StatusCode::SERVICE_UNAVAILABLE, error);
-    let rows = outbox::undelivered(&state.pool, filter.parked, OUTBOX_LIMIT)
-        .await
-        .map_err(unavailable)?;
-    let backlog = outbox::backlog(&state.pool).await.map_err(unavailable)?;
+    let (mut pending, mut parked, mut rows) = (0, 0, Vec::new());
+    for (name, database) in state.databases.iter() {
+        let (pool, tables) = (&database.pool, &database.tables);
+        let undelivered = outbox::undelivered(pool, tables, filter.parked, OUTBOX_LIMIT)
+            .await
+            .map_err(unavailable)?;
+        rows.extend(undelivered.iter().map(|row| {
+            let mut json = row.json();
+            json["database"] = json!(name);
+            json
+        }));
+        let backlog = outbox::backlog(pool, tables).await.map_err(unavailable)?;
+        pending += backlog.pending;
+        parked += backlog.parked;
+    }
     Ok((
         StatusCode::OK,
-        Json(json!({
-            "pending": backlog.pending,
-            "parked": backlog.parked,
-            "rows": rows.iter().map(outbox::Undelivered::json).collect::<Vec<_>>(),
-        })),
+        Json(json!({ "pending": pending, "parked": parked, "rows": rows })),
     ))
 }
 
@@ -200,16 +207,48 @@ pub(super) async fn outbox_rows(
 pub(super) struct OutboxRetry {
     destination: Option<String>,
     id: Option<i64>,
+    /// The `[databases.<name>]` the row is in (ids are per database); none: every database
+    /// without `id`, `[database]` with one.
+    database: Option<String>,
 }
 
-/// `POST /admin/outbox/retry` with `{"destination": …, "id": …}` (both optional): parked rows
-/// pending again with a full set of attempts, as `idem outbox retry` does.
+/// `POST /admin/outbox/retry` with `{"destination": …, "id": …, "database": …}` (all
+/// optional): parked rows pending again with a full set of attempts, as `idem outbox retry`
+/// does.
 pub(super) async fn outbox_retry(
     State(state): State<AppState>,
     Json(retry): Json<OutboxRetry>,
 ) -> Result<Answer, Answer> {
-    let ids = outbox::retry_parked(&state.pool, retry.destination.as_deref(), retry.id)
+    if let Some(name) = &retry.database
+        && !state
+            .databases
+            .iter()
+            .any(|(opened, _)| opened == Some(name))
+    {
+        return Err(failed(
+            StatusCode::NOT_FOUND,
+            format!("no database {name:?} in [databases]"),
+        ));
+    }
+    let mut ids = Vec::new();
+    for (name, database) in state.databases.iter() {
+        let chosen = match (&retry.database, retry.id) {
+            (Some(wanted), _) => name == Some(wanted.as_str()),
+            (None, Some(_)) => name.is_none(),
+            (None, None) => true,
+        };
+        if !chosen {
+            continue;
+        }
+        let retried = outbox::retry_parked(
+            &database.pool,
+            &database.tables,
+            retry.destination.as_deref(),
+            retry.id,
+        )
         .await
         .map_err(|error| failed(StatusCode::SERVICE_UNAVAILABLE, error))?;
+        ids.extend(retried);
+    }
     Ok((StatusCode::OK, Json(json!({ "retried": ids }))))
 }

@@ -23,7 +23,9 @@ use tracing::{debug, info, warn};
 use crate::backoff::{Backoff, Schedule};
 use crate::config::{Destination, OutboxConfig};
 use crate::metrics::Metrics;
+use crate::store::database::Database;
 use crate::store::outbox::{self, Attempt, Taken};
+use crate::store::tables::Tables;
 
 pub use http::{DestinationError, http_clients};
 
@@ -82,7 +84,7 @@ pub enum DeliveryError {
 pub fn spawn_relay(
     config: OutboxConfig,
     http: BTreeMap<String, reqwest::Client>,
-    pool: PgPool,
+    database: Database,
     metrics: Arc<Metrics>,
     waker: RelayWaker,
     shutdown: CancellationToken,
@@ -90,7 +92,8 @@ pub fn spawn_relay(
     tokio::spawn(async move {
         let mut relay = Relay {
             config,
-            pool,
+            pool: database.pool,
+            tables: database.tables,
             metrics,
             http,
             amqp: amqp::Publisher::default(),
@@ -119,7 +122,7 @@ pub fn spawn_relay(
             };
             if last_clean.elapsed() >= CLEAN_EVERY {
                 last_clean = tokio::time::Instant::now();
-                match outbox::clean(&relay.pool, relay.config.retention).await {
+                match outbox::clean(&relay.pool, &relay.tables, relay.config.retention).await {
                     Ok(deleted) if deleted > 0 => {
                         info!(deleted, "Outbox: delivered rows past retention removed.");
                     }
@@ -146,6 +149,7 @@ pub fn spawn_relay(
 struct Relay {
     config: OutboxConfig,
     pool: PgPool,
+    tables: Arc<Tables>,
     metrics: Arc<Metrics>,
     /// By destination name.
     http: BTreeMap<String, reqwest::Client>,
@@ -155,7 +159,8 @@ struct Relay {
 impl Relay {
     /// Takes one batch, delivers it, records the results, commits. Returns the rows taken.
     async fn pass(&mut self) -> Result<usize, sqlx::Error> {
-        let (mut transaction, rows) = outbox::take(&self.pool, self.config.batch_size).await?;
+        let (mut transaction, rows) =
+            outbox::take(&self.pool, &self.tables, self.config.batch_size).await?;
         for row in &rows {
             let attempt = match self.deliver(row).await {
                 Ok(()) => {
@@ -179,7 +184,7 @@ impl Relay {
                     }
                 }
             };
-            outbox::record(&mut transaction, row.id, &attempt).await?;
+            outbox::record(&mut transaction, &self.tables, row.id, &attempt).await?;
         }
         transaction.commit().await?;
         Ok(rows.len())

@@ -1,5 +1,6 @@
 //! The Postgres pool: connect with backoff, migrate, check the host's tables exist.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::migrate::{MigrateError, Migrator};
@@ -10,13 +11,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::backoff::Backoff;
-use crate::config::{DatabaseConfig, DatabaseTls, SslMode, redact_url};
+use crate::config::{Config, DatabaseConfig, DatabaseTls, SslMode, redact_url};
 use crate::store::bookkeeping;
 use crate::store::fault::{
     DatabaseFailure, TLS_SETTINGS, refused_setting, session_refused_setting,
 };
 use crate::store::primary::{self, Candidates};
 use crate::store::session::{SessionError, SessionPool, Setup};
+use crate::store::tables::{Tables, quote_identifier};
 use crate::tls::Verify;
 
 /// The host's own tables (`processed_messages`), embedded at build time.
@@ -53,14 +55,19 @@ pub enum DatabaseError {
     },
     /// A `processed_messages` that is not idem's (another consumer's, by the guide's name).
     #[error(
-        "the processed_messages table at {endpoint} is not the claims table idem needs: {problems}; rename that table, or give idem a database of its own"
+        "the processed_messages table in {place} at {endpoint} is not the claims table idem needs: {problems}; rename that table, or give idem a schema of its own ([database] schema = \"idem\")"
     )]
-    ForeignClaims { endpoint: String, problems: String },
+    ForeignClaims {
+        endpoint: String,
+        place: String,
+        problems: String,
+    },
     #[error(
-        "idem's tables are missing or out of date at {endpoint} ({source}); run `idem migrate --config <file>` first"
+        "idem's tables are missing or out of date in {place} at {endpoint} ({source}); run `idem migrate --config <file>` first"
     )]
     Schema {
         endpoint: String,
+        place: String,
         source: sqlx::Error,
     },
 }
@@ -72,6 +79,64 @@ pub enum DatabaseError {
 pub struct Database {
     pub pool: PgPool,
     pub sessions: SessionPool,
+    /// Where idem's own tables are (`[database] schema`).
+    pub tables: Arc<Tables>,
+}
+
+/// Every database of a config, opened: `[database]` first (named `None`), then each
+/// `[databases.<name>]` in name order. A pipeline's transactions run in the one it names.
+#[derive(Debug, Clone)]
+pub struct Databases {
+    opened: Vec<(Option<String>, Database)>,
+}
+
+impl Databases {
+    /// Opens every database of `config`, each as `connect` does (retrying with backoff while
+    /// it is unreachable). `Ok(None)` if `shutdown` fires first.
+    pub async fn connect(
+        config: &Config,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Databases>, DatabaseError> {
+        let mut opened = Vec::new();
+        for (name, database_config) in config.all_databases() {
+            let Some(database) = connect(database_config, shutdown).await? else {
+                return Ok(None);
+            };
+            opened.push((name.map(str::to_string), database));
+        }
+        Ok(Some(Databases { opened }))
+    }
+
+    /// Each database with its name (`None`: `[database]`).
+    pub fn iter(&self) -> impl Iterator<Item = (Option<&str>, &Database)> {
+        self.opened
+            .iter()
+            .map(|(name, database)| (name.as_deref(), database))
+    }
+
+    /// The database called `name` (`None`: `[database]`); the config checked that it exists.
+    pub fn named(&self, name: Option<&str>) -> &Database {
+        self.iter()
+            .find(|(opened, _)| *opened == name)
+            .map(|(_, database)| database)
+            .expect("the config names only databases it has")
+    }
+
+    /// Closes every pool and idle session.
+    pub async fn close(&self) {
+        for (_, database) in self.iter() {
+            database.sessions.close_idle();
+            database.pool.close().await;
+        }
+    }
+}
+
+/// How messages name a database of the config: `[database]` or `[databases.<name>]`.
+pub fn label(name: Option<&str>) -> String {
+    match name {
+        Some(name) => format!("[databases.{name}]"),
+        None => "[database]".to_string(),
+    }
 }
 
 /// Connections the bookkeeping pool may hold beside the sessions: the outbox relay,
@@ -191,7 +256,8 @@ pub async fn open(config: &DatabaseConfig) -> Result<Database, DatabaseError> {
         max_sessions.min(BOOKKEEPING_CONNECTIONS),
     )
     .await?;
-    let sessions = sessions(config, &candidates, max_sessions)?;
+    let tables = Arc::new(Tables::of(config));
+    let sessions = sessions(config, &candidates, Arc::clone(&tables), max_sessions)?;
     sessions
         .acquire()
         .await
@@ -205,7 +271,11 @@ pub async fn open(config: &DatabaseConfig) -> Result<Database, DatabaseError> {
     if candidates.hosts.len() > 1 {
         primary::watch(pool.clone(), candidates);
     }
-    Ok(Database { pool, sessions })
+    Ok(Database {
+        pool,
+        sessions,
+        tables,
+    })
 }
 
 /// The sessions' connection settings, read back from sqlx's resolution of each host: every
@@ -214,6 +284,7 @@ pub async fn open(config: &DatabaseConfig) -> Result<Database, DatabaseError> {
 fn sessions(
     config: &DatabaseConfig,
     candidates: &Candidates,
+    tables: Arc<Tables>,
     max_sessions: u32,
 ) -> Result<SessionPool, DatabaseError> {
     let options = &candidates.hosts[0];
@@ -251,7 +322,13 @@ fn sessions(
     let (wire, verify) = match options.get_ssl_mode() {
         PgSslMode::Disable | PgSslMode::Allow => {
             session.ssl_mode(Wire::Disable);
-            return Ok(SessionPool::new(session, setup(config), None, max_sessions));
+            return Ok(SessionPool::new(
+                session,
+                tables,
+                setup(config),
+                None,
+                max_sessions,
+            ));
         }
         PgSslMode::Prefer => (Wire::Prefer, Verify::Nothing),
         PgSslMode::Require => (Wire::Require, Verify::Nothing),
@@ -276,6 +353,7 @@ fn sessions(
     })?;
     Ok(SessionPool::new(
         session,
+        tables,
         setup(config),
         Some(MakeRustlsConnect::new(tls)),
         max_sessions,
@@ -402,32 +480,66 @@ pub async fn connect(
     }
 }
 
+/// What `migrate` did besides applying migrations.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Migration {
+    /// idem's tables were moved from this schema into `[database] schema`.
+    pub moved_from: Option<String>,
+    /// idem's rows were taken out of sqlx's `_sqlx_migrations` (where versions of idem
+    /// before its own history wrote them), leaving the application's.
+    pub history_adopted: u64,
+    /// Migrations applied now.
+    pub applied: usize,
+}
+
 /// Applies the host's migrations.
 ///
 /// In one transaction, under a transaction-scoped advisory lock, so two hosts migrating at
 /// once take turns, and nothing outlives the transaction (safe behind a transaction
 /// pooler, where sqlx's migrator, holding a session lock and named statements, is not). The
-/// history is sqlx's `_sqlx_migrations`, as earlier versions of idem wrote it.
+/// history is idem's own (`idem_migrations`, beside its tables), never an application's:
+/// idem's rows in `_sqlx_migrations`, from versions before it, are moved there.
+///
+/// With `[database] schema`, the schema is created, and idem's tables found in the search
+/// path's first schema (an installation from before the setting) are moved into it with
+/// their rows, so no claim is forgotten.
 ///
 /// A `processed_messages` of another shape is not adopted: the transaction rolls back and
 /// nothing is changed.
-pub async fn migrate(pool: &PgPool, config: &DatabaseConfig) -> Result<(), DatabaseError> {
-    let problems = apply_migrations(pool)
-        .await
-        .map_err(|source| DatabaseError::Migrate {
-            endpoint: redact_url(&config.url),
-            source,
-        })?;
-    foreign_claims(config, problems)
+pub async fn migrate(pool: &PgPool, config: &DatabaseConfig) -> Result<Migration, DatabaseError> {
+    let tables = Tables::of(config);
+    let (migration, problems) =
+        migrate_tables(pool, &tables)
+            .await
+            .map_err(|source| DatabaseError::Migrate {
+                endpoint: redact_url(&config.url),
+                source,
+            })?;
+    foreign_claims(config, &tables, problems)?;
+    if let Some(from) = &migration.moved_from {
+        info!(from = %from, to = %tables.place(), "Moved idem's tables.");
+    }
+    if migration.history_adopted > 0 {
+        info!(
+            rows = migration.history_adopted,
+            "Moved idem's migration history out of _sqlx_migrations into idem_migrations."
+        );
+    }
+    Ok(migration)
 }
 
 /// `DatabaseError::ForeignClaims` when the claims table has `problems`.
-fn foreign_claims(config: &DatabaseConfig, problems: Vec<String>) -> Result<(), DatabaseError> {
+fn foreign_claims(
+    config: &DatabaseConfig,
+    tables: &Tables,
+    problems: Vec<String>,
+) -> Result<(), DatabaseError> {
     if problems.is_empty() {
         return Ok(());
     }
     Err(DatabaseError::ForeignClaims {
         endpoint: redact_url(&config.url),
+        place: tables.place(),
         problems: problems.join("; "),
     })
 }
@@ -435,63 +547,202 @@ fn foreign_claims(config: &DatabaseConfig, problems: Vec<String>) -> Result<(), 
 /// The advisory lock key migrations take (`idem-migrate`).
 const MIGRATION_LOCK: i64 = 0x1de3_0000_0000_0002;
 
+/// idem's migration history: sqlx's columns, so the rows read the same as before.
+const CREATE_HISTORY: &str = "CREATE TABLE IF NOT EXISTS {history} (\
+       version bigint PRIMARY KEY, description text NOT NULL, \
+       installed_on timestamptz NOT NULL DEFAULT now(), success boolean NOT NULL, \
+       checksum bytea NOT NULL, execution_time bigint NOT NULL)";
+
 /// Applies what is missing, then checks the claims table; commits only if it is idem's, and
 /// returns its problems otherwise.
-async fn apply_migrations(pool: &PgPool) -> Result<Vec<String>, MigrateError> {
+pub async fn migrate_tables(
+    pool: &PgPool,
+    tables: &Tables,
+) -> Result<(Migration, Vec<String>), MigrateError> {
     let mut transaction = pool.begin().await?;
     bookkeeping::query("SELECT pg_advisory_xact_lock($1)")
         .bind(MIGRATION_LOCK)
         .execute(&mut *transaction)
         .await?;
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS _sqlx_migrations (\
-           version bigint PRIMARY KEY, description text NOT NULL, \
-           installed_on timestamptz NOT NULL DEFAULT now(), success boolean NOT NULL, \
-           checksum bytea NOT NULL, execution_time bigint NOT NULL)",
-    )
-    .execute(&mut *transaction)
-    .await?;
+    let mut migration = Migration::default();
+    if let Some(schema) = tables.schema() {
+        sqlx::Executor::execute(
+            &mut *transaction,
+            format!("CREATE SCHEMA IF NOT EXISTS {}", quote_identifier(schema)).as_str(),
+        )
+        .await?;
+        migration.moved_from = move_tables(&mut transaction, tables, schema).await?;
+    }
+    migration.history_adopted = adopt_history(&mut transaction, tables).await?;
     let applied: Vec<(i64, Vec<u8>, bool)> =
-        bookkeeping::query_as("SELECT version, checksum, success FROM _sqlx_migrations")
+        bookkeeping::query_as(&tables.sql("SELECT version, checksum, success FROM {history}"))
             .fetch_all(&mut *transaction)
             .await?;
-    for migration in MIGRATOR.iter() {
-        if migration.migration_type.is_down_migration() {
+    if let Some(schema) = tables.schema() {
+        // The migrations name their tables unqualified: they land in idem's schema.
+        sqlx::Executor::execute(
+            &mut *transaction,
+            format!("SET LOCAL search_path TO {}", quote_identifier(schema)).as_str(),
+        )
+        .await?;
+    }
+    for step in MIGRATOR.iter() {
+        if step.migration_type.is_down_migration() {
             continue;
         }
         match applied
             .iter()
-            .find(|(version, ..)| *version == migration.version)
+            .find(|(version, ..)| *version == step.version)
         {
             Some((version, _, false)) => return Err(MigrateError::Dirty(*version)),
-            Some((version, checksum, true)) if *checksum != *migration.checksum => {
+            Some((version, checksum, true)) if *checksum != *step.checksum => {
                 return Err(MigrateError::VersionMismatch(*version));
             }
             Some(_) => continue,
             None => {}
         }
         let started = std::time::Instant::now();
-        sqlx::raw_sql(&migration.sql)
-            .execute(&mut *transaction)
-            .await?;
-        bookkeeping::query(
-            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+        sqlx::raw_sql(&step.sql).execute(&mut *transaction).await?;
+        bookkeeping::query(&tables.sql(
+            "INSERT INTO {history} (version, description, success, checksum, execution_time) \
              VALUES ($1, $2, true, $3, $4)",
-        )
-        .bind(migration.version)
-        .bind(&*migration.description)
-        .bind(&*migration.checksum)
+        ))
+        .bind(step.version)
+        .bind(&*step.description)
+        .bind(&*step.checksum)
         .bind(i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX))
         .execute(&mut *transaction)
         .await?;
+        migration.applied += 1;
     }
-    let problems = claims_table_problems(&mut transaction).await?;
+    let problems = claims_table_problems(&mut transaction, tables).await?;
     if problems.is_empty() {
         transaction.commit().await?;
     } else {
         transaction.rollback().await?;
     }
-    Ok(problems)
+    Ok((migration, problems))
+}
+
+/// idem's tables of an installation from before `[database] schema`, in the search path's
+/// first schema: moved into `schema` (with their indexes, sequences and rows, and the
+/// claims' day partitions) when it has no claims table yet. Returns the schema they came
+/// from.
+async fn move_tables(
+    transaction: &mut sqlx::PgConnection,
+    tables: &Tables,
+    schema: &str,
+) -> Result<Option<String>, sqlx::Error> {
+    let home: Option<String> = bookkeeping::query_scalar("SELECT current_schema()::text")
+        .fetch_one(&mut *transaction)
+        .await?;
+    let Some(home) = home.filter(|home| home != schema) else {
+        return Ok(None);
+    };
+    let there = Tables::new(Some(&home));
+    let found: (bool, bool) = bookkeeping::query_as(&format!(
+        "SELECT to_regclass({}) IS NULL AND to_regclass({}) IS NOT NULL, \
+                to_regclass({}) IS NOT NULL OR to_regclass({}) IS NOT NULL",
+        literal(&tables.sql("{claims}")),
+        literal(&there.sql("{claims}")),
+        literal(&there.sql("{history}")),
+        literal(&there.sql("{consumers}")),
+    ))
+    .fetch_one(&mut *transaction)
+    .await?;
+    // idem's own: its history or its consumers' table beside the claims.
+    if found != (true, true) {
+        return Ok(None);
+    }
+    let partitions: Vec<String> = bookkeeping::query_scalar(&format!(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = to_regclass({})",
+        literal(&there.sql("{claims}"))
+    ))
+    .fetch_all(&mut *transaction)
+    .await?;
+    let mut moved: Vec<String> = vec![
+        there.sql("{claims}"),
+        there.sql("{outbox}"),
+        there.sql("{consumers}"),
+        there.sql("{history}"),
+    ];
+    moved.extend(
+        partitions
+            .iter()
+            .map(|partition| there.qualified(partition)),
+    );
+    for table in moved {
+        let exists: bool = bookkeeping::query_scalar(&format!(
+            "SELECT to_regclass({}) IS NOT NULL",
+            literal(&table)
+        ))
+        .fetch_one(&mut *transaction)
+        .await?;
+        if exists {
+            sqlx::Executor::execute(
+                &mut *transaction,
+                format!(
+                    "ALTER TABLE {table} SET SCHEMA {}",
+                    quote_identifier(schema)
+                )
+                .as_str(),
+            )
+            .await?;
+        }
+    }
+    Ok(Some(home))
+}
+
+/// Creates idem's history, and moves idem's rows (its versions, with their checksums) out
+/// of the `_sqlx_migrations` the search path finds, where idem wrote them before it had a
+/// history of its own: into idem's history when idem's tables are where it is, so those
+/// migrations are not run again. Returns the rows taken out.
+async fn adopt_history(
+    transaction: &mut sqlx::PgConnection,
+    tables: &Tables,
+) -> Result<u64, sqlx::Error> {
+    sqlx::Executor::execute(&mut *transaction, tables.sql(CREATE_HISTORY).as_str()).await?;
+    let legacy: bool =
+        bookkeeping::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+            .fetch_one(&mut *transaction)
+            .await?;
+    if !legacy {
+        return Ok(0);
+    }
+    let (versions, checksums): (Vec<i64>, Vec<Vec<u8>>) = MIGRATOR
+        .iter()
+        .filter(|step| !step.migration_type.is_down_migration())
+        .map(|step| (step.version, step.checksum.to_vec()))
+        .unzip();
+    let in_place: bool = bookkeeping::query_scalar(&format!(
+        "SELECT to_regclass({}) IS NOT NULL",
+        literal(&tables.sql("{claims}"))
+    ))
+    .fetch_one(&mut *transaction)
+    .await?;
+    let taken: i64 = bookkeeping::query_scalar(&tables.sql(
+        "WITH idem AS (DELETE FROM _sqlx_migrations \
+           WHERE (version, checksum) IN (SELECT * FROM unnest($1::int8[], $2::bytea[])) \
+           RETURNING *), \
+         kept AS (INSERT INTO {history} \
+             (version, description, installed_on, success, checksum, execution_time) \
+           SELECT version, description, installed_on, success, checksum, execution_time \
+           FROM idem WHERE $3 \
+           ON CONFLICT (version) DO NOTHING) \
+         SELECT count(*) FROM idem",
+    ))
+    .bind(&versions)
+    .bind(&checksums)
+    .bind(in_place)
+    .fetch_one(&mut *transaction)
+    .await?;
+    Ok(u64::try_from(taken).unwrap_or_default())
+}
+
+/// `text` as a SQL string literal.
+fn literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
 }
 
 /// The columns the claims need, with their types as `format_type` writes them.
@@ -508,15 +759,20 @@ const CLAIM_COLUMNS: [(&str, &str); 4] = [
 /// (`processed_at` added on a partitioned one). Empty when it is idem's, or absent.
 async fn claims_table_problems(
     connection: &mut sqlx::PgConnection,
+    tables: &Tables,
 ) -> Result<Vec<String>, sqlx::Error> {
+    let claims = literal(&tables.sql("{claims}"));
     // No parameters: the simple protocol, one exchange (see `bookkeeping`).
     let columns = sqlx::Executor::fetch_all(
         &mut *connection,
-        "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), \
+        format!(
+            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), \
                 (a.attnotnull AND NOT a.atthasdef AND a.attidentity = '')::text \
          FROM pg_attribute a \
-         WHERE a.attrelid = to_regclass('processed_messages') AND a.attnum > 0 \
-           AND NOT a.attisdropped",
+         WHERE a.attrelid = to_regclass({claims}) AND a.attnum > 0 \
+           AND NOT a.attisdropped"
+        )
+        .as_str(),
     )
     .await?;
     if columns.is_empty() {
@@ -548,11 +804,14 @@ async fn claims_table_problems(
     }
     let keys = sqlx::Executor::fetch_all(
         &mut *connection,
-        "SELECT string_agg(a.attname::text, ',' ORDER BY a.attname) \
+        format!(
+            "SELECT string_agg(a.attname::text, ',' ORDER BY a.attname) \
          FROM pg_index i JOIN pg_attribute a \
            ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
-         WHERE i.indrelid = to_regclass('processed_messages') AND i.indisunique \
-         GROUP BY i.indexrelid",
+         WHERE i.indrelid = to_regclass({claims}) AND i.indisunique \
+         GROUP BY i.indexrelid"
+        )
+        .as_str(),
     )
     .await?;
     let mut unique = Vec::with_capacity(keys.len());
@@ -584,29 +843,31 @@ pub async fn check_schema(
     config: &DatabaseConfig,
     outbox: bool,
 ) -> Result<(), DatabaseError> {
+    let tables = Tables::of(config);
     let mut probes = vec![
-        "SELECT consumer, message_key, processed_at, plugin_digest FROM processed_messages LIMIT 0",
-        "SELECT consumer, retention_window, recorded_at FROM idem_consumers LIMIT 0",
+        "SELECT consumer, message_key, processed_at, plugin_digest FROM {claims} LIMIT 0",
+        "SELECT consumer, retention_window, recorded_at FROM {consumers} LIMIT 0",
     ];
     if outbox {
         probes.push(
             "SELECT id, destination, idempotency_key, payload, headers, attempts, next_attempt_at, \
-             last_error, delivered_at, parked_at FROM idem_outbox LIMIT 0",
+             last_error, delivered_at, parked_at FROM {outbox} LIMIT 0",
         );
     }
     let schema_error = |source| DatabaseError::Schema {
         endpoint: redact_url(&config.url),
+        place: tables.place(),
         source,
     };
     // Another consumer's table first: `idem migrate` would not adopt it either.
     let mut connection = pool.acquire().await.map_err(schema_error)?;
-    let problems = claims_table_problems(&mut connection)
+    let problems = claims_table_problems(&mut connection, &tables)
         .await
         .map_err(schema_error)?;
-    foreign_claims(config, problems)?;
+    foreign_claims(config, &tables, problems)?;
     for probe in probes {
         // No parameters: the simple protocol, one exchange (see `bookkeeping`).
-        sqlx::Executor::execute(&mut *connection, probe)
+        sqlx::Executor::execute(&mut *connection, tables.sql(probe).as_str())
             .await
             .map_err(schema_error)?;
     }

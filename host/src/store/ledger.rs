@@ -21,38 +21,12 @@ use crate::config::{ClaimMode, Isolation, PipelineConfig, TransactionConfig};
 use crate::effect::{Decision, Effect};
 use crate::failpoint::Failpoint;
 use crate::store::fault::{self, Fault, Origin};
-use crate::store::outbox::{self, OutboxError, OutboxRow};
+use crate::store::outbox::{OutboxError, OutboxRow};
 use crate::store::session::{Prepared, Session, SessionError, SessionPool};
 use crate::store::statement::{
     BoundEffect, BoundValue, EffectError, StatementCatalog, values_as_params,
 };
-
-/// What `begin` adds to the transaction's opening: a mark the host's claims look for.
-const MARK_OPEN: &str = "SET LOCAL idem.transaction = 'open'";
-
-/// The condition every host claim is written under: the transaction `begin` opened and
-/// marked (`MARK_OPEN`) is open. A flight's statements are each synced on their own, so if
-/// `BEGIN` failed (a cancel landing on it, say), the statements after it in its flight run
-/// outside any transaction and commit alone. Under this condition a claim then writes
-/// nothing, and the flight's error, `BEGIN`'s, has the message retried.
-macro_rules! inside_open_transaction {
-    () => {
-        "current_setting('idem.transaction', true) = 'open'"
-    };
-}
-
-/// The guide's Step 2 claim: zero rows affected means another delivery already applied it.
-/// The claim also records which plugin build decided (`plugin_digest`).
-const CLAIM_SQL: &str = concat!(
-    "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
-     SELECT $1, $2, $3 WHERE ",
-    inside_open_transaction!(),
-    " ON CONFLICT DO NOTHING"
-);
-
-/// The parameter types of the claims (`CLAIM_SQL`, `PARTITIONED_CLAIM_SQL`), for their unnamed
-/// statements behind a transaction pooler.
-const CLAIM_TYPES: [Type; 3] = [Type::TEXT, Type::TEXT, Type::TEXT];
+use crate::store::tables::{self, MARK_OPEN, Tables, quote_identifier};
 
 /// What the transaction decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,18 +78,11 @@ impl LedgerError {
 }
 
 /// Partition mode's claim (see `partition`): under a transaction-scoped advisory lock on the
-/// key, insert only if no partition holds the key yet. Two statements, because the check
-/// must see what a lock holder committed: a statement's snapshot predates its own lock wait.
+/// key, insert only if no partition holds the key yet (`Tables::partitioned_claim`). Two
+/// statements, because the check must see what a lock holder committed: a statement's
+/// snapshot predates its own lock wait.
 const PARTITIONED_LOCK_SQL: &str =
     "SELECT pg_advisory_xact_lock(hashtextextended($1 || chr(31) || $2, 0))";
-const PARTITIONED_CLAIM_SQL: &str = concat!(
-    "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
-     SELECT $1, $2, $3 WHERE NOT EXISTS \
-       (SELECT 1 FROM processed_messages WHERE consumer = $1 AND message_key = $2) \
-     AND ",
-    inside_open_transaction!(),
-    " ON CONFLICT DO NOTHING"
-);
 const PARTITIONED_LOCK_TYPES: [Type; 2] = [Type::TEXT, Type::TEXT];
 
 /// How the transaction recognises a message it already applied.
@@ -246,17 +213,18 @@ pub async fn apply(
     plan: &Plan<'_>,
 ) -> Result<ClaimOutcome, LedgerError> {
     let mut session = acquire(sessions).await?;
-    let result =
-        tokio::time::timeout(settings.timeout, apply_on(&mut session, settings, plan)).await;
+    let work = apply_on(&mut session, sessions.tables(), settings, plan);
+    let result = tokio::time::timeout(settings.timeout, work).await;
     release(session, result, settings.timeout)
 }
 
 async fn apply_on(
     session: &mut Session,
+    tables: &Tables,
     settings: &TransactionConfig,
     plan: &Plan<'_>,
 ) -> Result<ClaimOutcome, LedgerError> {
-    let work = Work::prepare(session, plan, true).await?;
+    let work = Work::prepare(session, tables, plan, true).await?;
     let begin = begin_sql(settings, session.transaction_settings());
     session.set_in_transaction(true);
     let client = session.client();
@@ -304,17 +272,19 @@ pub async fn apply_batch(
     plans: &[&Plan<'_>],
 ) -> Result<Vec<BatchItem>, LedgerError> {
     let mut session = acquire(sessions).await?;
+    let tables = sessions.tables();
     let work = async {
         // The fast path takes every claim in one statement; it applies only to unpartitioned
         // ledger claims, whose duplicates are known before any effect writes. Natural and
         // `none` claims learn it from the effects' rows, so they need a savepoint each to
         // undo a duplicate's or a stale message's writes.
         if plans.iter().all(|plan| plan.claim.is_bulk())
-            && let Some(items) = apply_batch_optimistic(&mut session, settings, plans).await?
+            && let Some(items) =
+                apply_batch_optimistic(&mut session, tables, settings, plans).await?
         {
             return Ok(items);
         }
-        apply_batch_isolating(&mut session, settings, plans).await
+        apply_batch_isolating(&mut session, tables, settings, plans).await
     };
     let result = tokio::time::timeout(settings.timeout, work).await;
     release(session, result, settings.timeout)
@@ -351,18 +321,6 @@ fn release<T>(
         Ok(result) => result,
     }
 }
-
-/// The claims of every ledger plan in one statement, in byte order of the key (the order
-/// every host and the savepoint path take them in); returns the keys that were new.
-const BULK_CLAIM_SQL: &str = concat!(
-    "INSERT INTO processed_messages (consumer, message_key, plugin_digest) \
-     SELECT $1, claim.key, claim.digest FROM unnest($2::text[], $3::text[]) AS claim(key, digest) \
-     WHERE ",
-    inside_open_transaction!(),
-    " ORDER BY claim.key COLLATE \"C\" \
-     ON CONFLICT DO NOTHING RETURNING message_key"
-);
-const BULK_CLAIM_TYPES: [Type; 3] = [Type::TEXT, Type::TEXT_ARRAY, Type::TEXT_ARRAY];
 
 /// The ledger claims of a batch, one statement for all: each key once, in key order.
 struct BulkClaim<'a> {
@@ -408,6 +366,7 @@ impl<'a> BulkClaim<'a> {
 /// failure with savepoints.
 async fn apply_batch_optimistic(
     session: &mut Session,
+    tables: &Tables,
     settings: &TransactionConfig,
     plans: &[&Plan<'_>],
 ) -> Result<Option<Vec<BatchItem>>, LedgerError> {
@@ -420,13 +379,16 @@ async fn apply_batch_optimistic(
         digests: claim_digests,
     } = BulkClaim::of(plans, &order, &mut items);
     let bulk_claim = session
-        .statement(BULK_CLAIM_SQL, &BULK_CLAIM_TYPES)
+        .statement(&tables.bulk_claim, &tables::BULK_CLAIM_TYPES)
         .await
         .map_err(host_error("claim"))?;
     let mut works = Vec::with_capacity(plans.len());
     for &index in &order {
         if items[index].is_none() {
-            works.push((index, Work::prepare(session, plans[index], false).await?));
+            works.push((
+                index,
+                Work::prepare(session, tables, plans[index], false).await?,
+            ));
         }
     }
     let begin = begin_sql(settings, session.transaction_settings());
@@ -493,6 +455,7 @@ const UNDO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_message";
 /// effects); the savepoint's release or undo rides with the next message's first flight.
 async fn apply_batch_isolating(
     session: &mut Session,
+    tables: &Tables,
     settings: &TransactionConfig,
     plans: &[&Plan<'_>],
 ) -> Result<Vec<BatchItem>, LedgerError> {
@@ -507,7 +470,7 @@ async fn apply_batch_isolating(
             items[index] = Some(Ok(ClaimOutcome::Duplicate));
             continue;
         }
-        works.push((index, Work::prepare(session, plan, true).await?));
+        works.push((index, Work::prepare(session, tables, plan, true).await?));
     }
     let begin = begin_sql(settings, session.transaction_settings());
     session.set_in_transaction(true);
@@ -654,14 +617,14 @@ struct Work<'p> {
     /// bulk).
     claim: Option<(
         Option<Prepared<'static>>,
-        Prepared<'static>,
+        Prepared<'p>,
         [&'p (dyn ToSql + Sync); 3],
     )>,
     role: Option<String>,
     /// Each effect's statement as this session prepared it, with its values bound again
     /// when the session's parameter types differ from the catalog's (after a migration).
     effects: Vec<(Prepared<'p>, Option<Vec<BoundValue>>)>,
-    outbox: Option<Prepared<'static>>,
+    outbox: Option<Prepared<'p>>,
 }
 
 impl<'p> Work<'p> {
@@ -669,6 +632,7 @@ impl<'p> Work<'p> {
     /// ledger claim was taken in bulk already.
     async fn prepare(
         session: &mut Session,
+        tables: &'p Tables,
         plan: &'p Plan<'p>,
         claim: bool,
     ) -> Result<Work<'p>, LedgerError> {
@@ -689,12 +653,12 @@ impl<'p> Work<'p> {
                     None
                 };
                 let sql = if *partitioned {
-                    PARTITIONED_CLAIM_SQL
+                    &tables.partitioned_claim
                 } else {
-                    CLAIM_SQL
+                    &tables.claim
                 };
                 let statement = session
-                    .statement(sql, &CLAIM_TYPES)
+                    .statement(sql, &tables::CLAIM_TYPES)
                     .await
                     .map_err(host_error("claim"))?;
                 let values: [&'p (dyn ToSql + Sync); 3] = [consumer, &plan.key, plugin_digest];
@@ -711,7 +675,7 @@ impl<'p> Work<'p> {
         } else {
             Some(
                 session
-                    .statement(outbox::INSERT_SQL, &outbox::INSERT_TYPES)
+                    .statement(&tables.outbox_insert, &tables::OUTBOX_INSERT_TYPES)
                     .await
                     .map_err(host_error("outbox"))?,
             )
@@ -1054,11 +1018,6 @@ async fn committed(
     }
 }
 
-/// `name` as a quoted SQL identifier.
-fn quote_identifier(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
-
 /// Maps a failure of the host's own statement `statement` to its error.
 fn host_error(statement: &'static str) -> impl Fn(SessionError) -> LedgerError {
     move |source| classify(source, statement, Origin::Host)
@@ -1171,10 +1130,11 @@ mod tests {
         let begin = begin_sql(&TransactionConfig::default(), "");
         let keys = vec!["k".to_string()];
         let digests = vec!["d".to_string()];
+        let tables = Tables::new(None);
         let claims: [(&str, [&(dyn ToSql + Sync); 3]); 3] = [
-            (CLAIM_SQL, [&"c", &"k", &"d"]),
-            (PARTITIONED_CLAIM_SQL, [&"c", &"k", &"d"]),
-            (BULK_CLAIM_SQL, [&"c", &keys, &digests]),
+            (&tables.claim, [&"c", &"k", &"d"]),
+            (&tables.partitioned_claim, [&"c", &"k", &"d"]),
+            (&tables.bulk_claim, [&"c", &keys, &digests]),
         ];
         for (sql, values) in claims {
             let alone = client.execute(sql, &values).await.expect("claim alone");

@@ -14,6 +14,8 @@
 //! - [`primary`]: which host of a multi-host URL takes writes, for the bookkeeping pool.
 //! - [`bookkeeping`]: how a statement runs on the bookkeeping pool, safely behind a
 //!   transaction pooler.
+//! - [`tables`]: where idem's own tables are (`[database] schema`), and the statements that
+//!   name them.
 
 pub mod binding;
 pub mod bookkeeping;
@@ -26,3 +28,4 @@ pub mod primary;
 pub mod retention;
 pub mod session;
 pub mod statement;
+pub mod tables;

@@ -11,7 +11,7 @@ use std::time::Duration;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
 use crate::store::bookkeeping;
-use tokio_postgres::types::Type;
+use crate::store::tables::Tables;
 
 use crate::config::OutboxConfig;
 use crate::effect::OutboxMessage;
@@ -35,39 +35,23 @@ pub enum OutboxError {
     EmptyKey,
 }
 
-/// Written once per (destination, idempotency key): a repeat of the same row, from a
-/// pipeline without a claim, changes nothing. Run inside the message's transaction
-/// (`ledger`): `$1` the consumer, `$2` the message's key, then the row's fields in order.
-pub(crate) const INSERT_SQL: &str = "INSERT INTO idem_outbox \
-     (consumer, message_key, destination, idempotency_key, payload, headers) \
-     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT ON CONSTRAINT idem_outbox_once DO NOTHING";
-/// `INSERT_SQL`'s parameter types, for its unnamed statement behind a transaction pooler.
-pub(crate) const INSERT_TYPES: [Type; 6] = [
-    Type::TEXT,
-    Type::TEXT,
-    Type::TEXT,
-    Type::TEXT,
-    Type::BYTEA,
-    Type::JSONB,
-];
-
 /// Pending rows this relay may take; rows another relay holds are skipped, not waited for.
 const TAKE_SQL: &str = "SELECT id, destination, idempotency_key, payload, headers, attempts \
-     FROM idem_outbox \
+     FROM {outbox} \
      WHERE delivered_at IS NULL AND parked_at IS NULL AND next_attempt_at <= now() \
      ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED";
 
-const DELIVERED_SQL: &str = "UPDATE idem_outbox SET delivered_at = now(), attempts = attempts + 1, last_error = NULL \
+const DELIVERED_SQL: &str = "UPDATE {outbox} SET delivered_at = now(), attempts = attempts + 1, last_error = NULL \
      WHERE id = $1";
 
 /// A failed attempt: try again after `$3` seconds, or park the row when `$4` is true.
-const FAILED_SQL: &str = "UPDATE idem_outbox SET attempts = attempts + 1, last_error = $2, \
+const FAILED_SQL: &str = "UPDATE {outbox} SET attempts = attempts + 1, last_error = $2, \
        next_attempt_at = now() + make_interval(secs => $3), \
        parked_at = CASE WHEN $4 THEN now() END \
      WHERE id = $1";
 
-const CLEAN_SQL: &str = "DELETE FROM idem_outbox WHERE id IN \
-     (SELECT id FROM idem_outbox WHERE delivered_at < now() - make_interval(secs => $1) LIMIT $2)";
+const CLEAN_SQL: &str = "DELETE FROM {outbox} WHERE id IN \
+     (SELECT id FROM {outbox} WHERE delivered_at < now() - make_interval(secs => $1) LIMIT $2)";
 
 impl OutboxRow {
     /// Checks an outbox effect against the configured destinations; the key defaults to the
@@ -141,12 +125,13 @@ pub enum Attempt {
 /// the server's keepalives still end it if this host vanishes.
 pub async fn take(
     pool: &PgPool,
+    tables: &Tables,
     batch: NonZeroU32,
 ) -> Result<(Transaction<'static, Postgres>, Vec<Taken>), sqlx::Error> {
     let mut transaction = pool
         .begin_with("BEGIN; SET LOCAL idle_in_transaction_session_timeout = 0")
         .await?;
-    let rows = bookkeeping::query(TAKE_SQL)
+    let rows = bookkeeping::query(&tables.sql(TAKE_SQL))
         .bind(i64::from(batch.get()))
         .fetch_all(&mut *transaction)
         .await?;
@@ -178,12 +163,13 @@ pub async fn take(
 /// Records how an attempt at row `id` ended, in the relay's transaction.
 pub async fn record(
     transaction: &mut Transaction<'static, Postgres>,
+    tables: &Tables,
     id: i64,
     attempt: &Attempt,
 ) -> Result<(), sqlx::Error> {
     match attempt {
         Attempt::Delivered => {
-            bookkeeping::query(DELIVERED_SQL)
+            bookkeeping::query(&tables.sql(DELIVERED_SQL))
                 .bind(id)
                 .execute(&mut **transaction)
                 .await?;
@@ -193,7 +179,7 @@ pub async fn record(
             retry_in,
             park,
         } => {
-            bookkeeping::query(FAILED_SQL)
+            bookkeeping::query(&tables.sql(FAILED_SQL))
                 .bind(id)
                 .bind(error)
                 .bind(retry_in.as_secs_f64())
@@ -206,11 +192,15 @@ pub async fn record(
 }
 
 /// Deletes delivered rows older than `retention`, in batches. Returns the rows deleted.
-pub async fn clean(pool: &PgPool, retention: Duration) -> Result<u64, sqlx::Error> {
+pub async fn clean(
+    pool: &PgPool,
+    tables: &Tables,
+    retention: Duration,
+) -> Result<u64, sqlx::Error> {
     let mut deleted = 0;
     loop {
         let batch = bookkeeping::in_transaction(pool, async |connection| {
-            bookkeeping::query(CLEAN_SQL)
+            bookkeeping::query(&tables.sql(CLEAN_SQL))
                 .bind(retention.as_secs_f64())
                 .bind(10_000_i64)
                 .execute(connection)
@@ -234,14 +224,14 @@ pub struct Backlog {
 }
 
 /// Counts the outbox rows by state.
-pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
+pub async fn backlog(pool: &PgPool, tables: &Tables) -> Result<Backlog, sqlx::Error> {
     let row = bookkeeping::in_transaction(pool, async |connection| {
-        bookkeeping::query(
+        bookkeeping::query(&tables.sql(
             "SELECT count(*) FILTER (WHERE delivered_at IS NULL AND parked_at IS NULL) AS pending, \
                     count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked, \
                     count(*) FILTER (WHERE delivered_at IS NOT NULL) AS delivered \
-             FROM idem_outbox",
-        )
+             FROM {outbox}",
+        ))
         .fetch_one(connection)
         .await
     })
@@ -286,18 +276,19 @@ impl Undelivered {
 /// Undelivered rows, oldest first: parked ones only when `parked_only`.
 pub async fn undelivered(
     pool: &PgPool,
+    tables: &Tables,
     parked_only: bool,
     limit: i64,
 ) -> Result<Vec<Undelivered>, sqlx::Error> {
     bookkeeping::in_transaction(pool, async |connection| {
-        bookkeeping::query_as(
+        bookkeeping::query_as(&tables.sql(
             "SELECT id, consumer, destination, idempotency_key, attempts, last_error, \
                     extract(epoch FROM now() - created_at)::float8 AS age_seconds, \
                     parked_at IS NOT NULL AS parked \
-             FROM idem_outbox \
+             FROM {outbox} \
              WHERE delivered_at IS NULL AND (parked_at IS NOT NULL OR NOT $1) \
              ORDER BY id LIMIT $2",
-        )
+        ))
         .bind(parked_only)
         .bind(limit)
         .fetch_all(connection)
@@ -311,16 +302,17 @@ pub async fn undelivered(
 /// pass. Returns the ids unparked.
 pub async fn retry_parked(
     pool: &PgPool,
+    tables: &Tables,
     destination: Option<&str>,
     id: Option<i64>,
 ) -> Result<Vec<i64>, sqlx::Error> {
     bookkeeping::in_transaction(pool, async |connection| {
-        bookkeeping::query_scalar(
-            "UPDATE idem_outbox SET parked_at = NULL, attempts = 0, next_attempt_at = now() \
+        bookkeeping::query_scalar(&tables.sql(
+            "UPDATE {outbox} SET parked_at = NULL, attempts = 0, next_attempt_at = now() \
              WHERE parked_at IS NOT NULL AND delivered_at IS NULL \
                AND ($1::text IS NULL OR destination = $1) AND ($2::int8 IS NULL OR id = $2) \
              RETURNING id",
-        )
+        ))
         .bind(destination)
         .bind(id)
         .fetch_all(connection)

@@ -14,6 +14,10 @@ use chrono::{Duration as ChronoDuration, NaiveDate, Utc};
 use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::store::bookkeeping;
+use crate::store::tables::Tables;
+
+/// The partition that takes claims of a day without a partition of its own.
+pub const DEFAULT_PARTITION: &str = "processed_messages_default";
 
 /// Days of partitions created ahead of today.
 pub const DAYS_AHEAD: i64 = 3;
@@ -28,12 +32,13 @@ pub struct Maintenance {
 }
 
 /// True when `processed_messages` is a partitioned table.
-pub async fn is_partitioned(pool: &PgPool) -> Result<bool, sqlx::Error> {
+pub async fn is_partitioned(pool: &PgPool, tables: &Tables) -> Result<bool, sqlx::Error> {
     bookkeeping::in_transaction(pool, async |connection| {
-        bookkeeping::query_scalar(
+        bookkeeping::query_scalar(&tables.sql(
             "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table p JOIN pg_class c ON c.oid = p.partrelid \
-             WHERE c.relname = 'processed_messages' AND c.relnamespace = current_schema()::regnamespace)",
-        )
+             WHERE c.relname = 'processed_messages' AND c.relnamespace = \
+               (SELECT oid FROM pg_namespace WHERE nspname = {schema}))",
+        ))
         .fetch_one(connection)
         .await
     })
@@ -43,8 +48,8 @@ pub async fn is_partitioned(pool: &PgPool) -> Result<bool, sqlx::Error> {
 /// Converts a plain `processed_messages` into a table partitioned by day, keeping every claim,
 /// in one transaction (it locks the table while it copies: run it before starting hosts).
 /// Returns false if the table was already partitioned.
-pub async fn convert(pool: &PgPool) -> Result<Conversion, sqlx::Error> {
-    if is_partitioned(pool).await? {
+pub async fn convert(pool: &PgPool, tables: &Tables) -> Result<Conversion, sqlx::Error> {
+    if is_partitioned(pool, tables).await? {
         return Ok(Conversion::AlreadyPartitioned);
     }
     let mut transaction = pool.begin().await?;
@@ -59,60 +64,59 @@ pub async fn convert(pool: &PgPool) -> Result<Conversion, sqlx::Error> {
     if hosts > 0 {
         return Ok(Conversion::HostsConnected { sessions: hosts });
     }
-    bookkeeping::query("LOCK TABLE processed_messages IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut *transaction)
-        .await?;
-    bookkeeping::query("ALTER TABLE processed_messages RENAME TO processed_messages_unpartitioned")
-        .execute(&mut *transaction)
-        .await?;
-    bookkeeping::query(
-        "ALTER INDEX processed_messages_time RENAME TO processed_messages_unpartitioned_time",
-    )
-    .execute(&mut *transaction)
-    .await?;
-    bookkeeping::query(
-        "ALTER TABLE processed_messages_unpartitioned RENAME CONSTRAINT processed_messages_pkey \
-         TO processed_messages_unpartitioned_pkey",
-    )
-    .execute(&mut *transaction)
-    .await?;
-    bookkeeping::query(
-        "CREATE TABLE processed_messages ( \
-           consumer      text        NOT NULL, \
-           message_key   text        NOT NULL, \
-           processed_at  timestamptz NOT NULL DEFAULT now(), \
-           plugin_digest text, \
-           PRIMARY KEY (consumer, message_key, processed_at) \
-         ) PARTITION BY RANGE (processed_at)",
-    )
-    .execute(&mut *transaction)
-    .await?;
-    bookkeeping::query("CREATE INDEX processed_messages_time ON processed_messages (processed_at)")
-        .execute(&mut *transaction)
-        .await?;
-    bookkeeping::query(
-        "CREATE TABLE processed_messages_default PARTITION OF processed_messages DEFAULT",
-    )
-    .execute(&mut *transaction)
-    .await?;
-    let oldest: Option<NaiveDate> = bookkeeping::query_scalar(
-        "SELECT min(processed_at AT TIME ZONE 'UTC')::date FROM processed_messages_unpartitioned",
-    )
+    let unpartitioned = tables.qualified("processed_messages_unpartitioned");
+    // The table set aside under another name, and its partitioned successor in its place.
+    let replace = [
+        tables.sql("LOCK TABLE {claims} IN ACCESS EXCLUSIVE MODE"),
+        tables.sql("ALTER TABLE {claims} RENAME TO processed_messages_unpartitioned"),
+        format!(
+            "ALTER INDEX {} RENAME TO processed_messages_unpartitioned_time",
+            tables.qualified("processed_messages_time")
+        ),
+        format!(
+            "ALTER TABLE {unpartitioned} RENAME CONSTRAINT processed_messages_pkey \
+             TO processed_messages_unpartitioned_pkey",
+        ),
+        tables.sql(
+            "CREATE TABLE {claims} ( \
+               consumer      text        NOT NULL, \
+               message_key   text        NOT NULL, \
+               processed_at  timestamptz NOT NULL DEFAULT now(), \
+               plugin_digest text, \
+               PRIMARY KEY (consumer, message_key, processed_at) \
+             ) PARTITION BY RANGE (processed_at)",
+        ),
+        tables.sql("CREATE INDEX processed_messages_time ON {claims} (processed_at)"),
+        format!(
+            "CREATE TABLE {} PARTITION OF {} DEFAULT",
+            tables.qualified(DEFAULT_PARTITION),
+            tables.sql("{claims}")
+        ),
+    ];
+    for statement in &replace {
+        bookkeeping::query(statement)
+            .execute(&mut *transaction)
+            .await?;
+    }
+    let oldest: Option<NaiveDate> = bookkeeping::query_scalar(&format!(
+        "SELECT min(processed_at AT TIME ZONE 'UTC')::date FROM {unpartitioned}",
+    ))
     .fetch_one(&mut *transaction)
     .await?;
     let today = Utc::now().date_naive();
     let mut day = oldest.unwrap_or(today).min(today);
     while day <= today + ChronoDuration::days(DAYS_AHEAD) {
-        create_partition(&mut transaction, day).await?;
+        create_partition(&mut transaction, tables, day).await?;
         day += ChronoDuration::days(1);
     }
-    bookkeeping::query(
-        "INSERT INTO processed_messages (consumer, message_key, processed_at, plugin_digest) \
-         SELECT consumer, message_key, processed_at, plugin_digest FROM processed_messages_unpartitioned",
-    )
+    bookkeeping::query(&format!(
+        "INSERT INTO {} (consumer, message_key, processed_at, plugin_digest) \
+         SELECT consumer, message_key, processed_at, plugin_digest FROM {unpartitioned}",
+        tables.sql("{claims}")
+    ))
     .execute(&mut *transaction)
     .await?;
-    bookkeeping::query("DROP TABLE processed_messages_unpartitioned")
+    bookkeeping::query(&format!("DROP TABLE {unpartitioned}"))
         .execute(&mut *transaction)
         .await?;
     transaction.commit().await?;
@@ -136,11 +140,12 @@ pub enum Conversion {
 /// consumer's claims, so it goes only when no consumer sharing the table needs it.
 pub async fn maintain(
     pool: &PgPool,
+    tables: &Tables,
     window: std::time::Duration,
 ) -> Result<Maintenance, sqlx::Error> {
     let mut transaction = pool.begin().await?;
     let recorded: Option<f64> = bookkeeping::query_scalar(
-        "SELECT extract(epoch FROM max(retention_window))::float8 FROM idem_consumers",
+        &tables.sql("SELECT extract(epoch FROM max(retention_window))::float8 FROM {consumers}"),
     )
     .fetch_one(&mut *transaction)
     .await?;
@@ -152,7 +157,7 @@ pub async fn maintain(
         );
     let window = window.max(recorded);
     let mut maintenance = Maintenance::default();
-    let existing = partitions(&mut transaction).await?;
+    let existing = partitions(&mut transaction, tables).await?;
     let today = Utc::now().date_naive();
     for offset in 0..=DAYS_AHEAD {
         let day = today + ChronoDuration::days(offset);
@@ -162,7 +167,7 @@ pub async fn maintain(
         {
             maintenance
                 .created
-                .push(create_partition(&mut transaction, day).await?);
+                .push(create_partition(&mut transaction, tables, day).await?);
         }
     }
     let window = ChronoDuration::from_std(window).unwrap_or(ChronoDuration::MAX);
@@ -172,7 +177,7 @@ pub async fn maintain(
     for (name, day) in existing {
         // The partition holds [day, day + 1): wholly older than the window when day + 1 <= cutoff.
         if day + ChronoDuration::days(1) <= cutoff {
-            bookkeeping::query(&format!("DROP TABLE \"{name}\""))
+            bookkeeping::query(&format!("DROP TABLE {}", tables.qualified(&name)))
                 .execute(&mut *transaction)
                 .await?;
             maintenance.dropped.push(name);
@@ -181,9 +186,12 @@ pub async fn maintain(
     transaction.commit().await?;
     // Counted after the partitions' locks are released.
     maintenance.stray_rows = bookkeeping::in_transaction(pool, async |connection| {
-        bookkeeping::query_scalar("SELECT count(*) FROM processed_messages_default")
-            .fetch_one(connection)
-            .await
+        bookkeeping::query_scalar(&format!(
+            "SELECT count(*) FROM {}",
+            tables.qualified(DEFAULT_PARTITION)
+        ))
+        .fetch_one(connection)
+        .await
     })
     .await?;
     Ok(maintenance)
@@ -192,12 +200,14 @@ pub async fn maintain(
 /// The day partitions, by name and first day.
 async fn partitions(
     transaction: &mut Transaction<'_, Postgres>,
+    tables: &Tables,
 ) -> Result<Vec<(String, NaiveDate)>, sqlx::Error> {
-    let names: Vec<String> = bookkeeping::query_scalar(
+    let names: Vec<String> = bookkeeping::query_scalar(&tables.sql(
         "SELECT c.relname::text FROM pg_inherits i \
          JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent \
-         WHERE p.relname = 'processed_messages' AND p.relnamespace = current_schema()::regnamespace",
-    )
+         WHERE p.relname = 'processed_messages' AND p.relnamespace = \
+           (SELECT oid FROM pg_namespace WHERE nspname = {schema})",
+    ))
     .fetch_all(&mut **transaction)
     .await?;
     Ok(names
@@ -212,13 +222,16 @@ async fn partitions(
 
 async fn create_partition(
     transaction: &mut Transaction<'_, Postgres>,
+    tables: &Tables,
     day: NaiveDate,
 ) -> Result<String, sqlx::Error> {
     let name = format!("processed_messages_p{}", day.format("%Y%m%d"));
     let next = day + ChronoDuration::days(1);
     bookkeeping::query(&format!(
-        "CREATE TABLE IF NOT EXISTS \"{name}\" PARTITION OF processed_messages \
-         FOR VALUES FROM ('{day} 00:00:00+00') TO ('{next} 00:00:00+00')"
+        "CREATE TABLE IF NOT EXISTS {} PARTITION OF {} \
+         FOR VALUES FROM ('{day} 00:00:00+00') TO ('{next} 00:00:00+00')",
+        tables.qualified(&name),
+        tables.sql("{claims}"),
     ))
     .execute(&mut **transaction)
     .await?;

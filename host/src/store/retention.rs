@@ -15,16 +15,19 @@ use tracing::{debug, info, warn};
 use crate::config::{DatabaseConfig, PipelineConfig, RetentionConfig, redact_url};
 use crate::metrics::Metrics;
 use crate::store::bookkeeping;
-use crate::store::database::DatabaseError;
+use crate::store::database::{Database, DatabaseError};
 use crate::store::partition::{self, Maintenance};
+use crate::store::tables::Tables;
 
-/// The advisory lock key that elects the one cleaning host (`hashtext('idem-retention')`-like constant).
-const RETENTION_LOCK: i64 = 0x1de3_0000_0000_0001;
+/// The advisory lock that elects the one cleaning host of idem's tables in one schema (two
+/// installations in one database, in schemas of their own, each clean theirs).
+const RETENTION_LOCK_SQL: &str =
+    "SELECT pg_try_advisory_xact_lock(hashtextextended('idem-retention ' || {schema}, 0))";
 
 /// One batch: at most `$3` claims of consumer `$1` older than `$2` seconds.
-const DELETE_BATCH_SQL: &str = "DELETE FROM processed_messages \
+const DELETE_BATCH_SQL: &str = "DELETE FROM {claims} \
      WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) \
-       AND ctid IN (SELECT ctid FROM processed_messages \
+       AND ctid IN (SELECT ctid FROM {claims} \
                     WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) \
                     LIMIT $3)";
 
@@ -37,7 +40,7 @@ pub async fn record_consumers(
     let windows = pipelines
         .iter()
         .map(|pipeline| (pipeline.consumer.as_str(), pipeline.retention.window));
-    record_windows(pool, windows)
+    record_windows(pool, &Tables::of(config), windows)
         .await
         .map_err(|source| DatabaseError::Consumers {
             endpoint: redact_url(&config.url),
@@ -49,6 +52,7 @@ pub async fn record_consumers(
 /// claims for the longest window of every consumer sharing the table, whichever host cleans.
 pub async fn record_windows(
     pool: &PgPool,
+    tables: &Tables,
     windows: impl IntoIterator<Item = (&str, std::time::Duration)>,
 ) -> Result<(), sqlx::Error> {
     let mut longest: BTreeMap<&str, std::time::Duration> = BTreeMap::new();
@@ -58,12 +62,12 @@ pub async fn record_windows(
     }
     bookkeeping::in_transaction(pool, async |connection| {
         for (consumer, window) in longest {
-            bookkeeping::query(
-                "INSERT INTO idem_consumers (consumer, retention_window) \
+            bookkeeping::query(&tables.sql(
+                "INSERT INTO {consumers} (consumer, retention_window) \
                  VALUES ($1, make_interval(secs => $2)) \
                  ON CONFLICT (consumer) DO UPDATE \
                    SET retention_window = EXCLUDED.retention_window, recorded_at = now()",
-            )
+            ))
             .bind(consumer)
             .bind(window.as_secs_f64())
             .execute(&mut *connection)
@@ -89,6 +93,7 @@ pub enum Pass {
 /// pause between batches, until none is left or `shutdown` fires. Returns the rows deleted.
 pub async fn clean_consumer(
     pool: &PgPool,
+    tables: &Tables,
     consumer: &str,
     retention: &RetentionConfig,
     shutdown: &CancellationToken,
@@ -96,7 +101,7 @@ pub async fn clean_consumer(
     let mut deleted_total = 0;
     loop {
         let deleted = bookkeeping::in_transaction(pool, async |connection| {
-            bookkeeping::query(DELETE_BATCH_SQL)
+            bookkeeping::query(&tables.sql(DELETE_BATCH_SQL))
                 .bind(consumer)
                 .bind(retention.window.as_secs_f64())
                 .bind(i64::from(retention.batch_size.get()))
@@ -120,6 +125,7 @@ pub async fn clean_consumer(
 /// One pass over every pipeline, if this host wins the cleaning lock.
 pub async fn clean_all(
     pool: &PgPool,
+    tables: &Tables,
     pipelines: &[(String, String, RetentionConfig)],
     metrics: Option<&Metrics>,
     shutdown: &CancellationToken,
@@ -129,14 +135,13 @@ pub async fn clean_all(
     let mut lock = pool
         .begin_with("BEGIN; SET LOCAL idle_in_transaction_session_timeout = 0")
         .await?;
-    let locked: bool = bookkeeping::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
-        .bind(RETENTION_LOCK)
+    let locked: bool = bookkeeping::query_scalar(&tables.sql(RETENTION_LOCK_SQL))
         .fetch_one(&mut *lock)
         .await?;
     if !locked {
         return Ok(Pass::Busy);
     }
-    let result = clean_locked(pool, pipelines, metrics, shutdown).await;
+    let result = clean_locked(pool, tables, pipelines, metrics, shutdown).await;
     // Ending the transaction releases the lock; if that fails, the connection closes with it.
     lock.rollback().await?;
     result
@@ -144,24 +149,25 @@ pub async fn clean_all(
 
 async fn clean_locked(
     pool: &PgPool,
+    tables: &Tables,
     pipelines: &[(String, String, RetentionConfig)],
     metrics: Option<&Metrics>,
     shutdown: &CancellationToken,
 ) -> Result<Pass, sqlx::Error> {
-    if partition::is_partitioned(pool).await? {
+    if partition::is_partitioned(pool, tables).await? {
         // Partitions hold every consumer's claims: keep them for the longest window.
         let window = pipelines
             .iter()
             .map(|(_, _, retention)| retention.window)
             .max()
             .unwrap_or_else(|| RetentionConfig::default().window);
-        return partition::maintain(pool, window)
+        return partition::maintain(pool, tables, window)
             .await
             .map(Pass::Partitions);
     }
     let mut cleaned = BTreeMap::new();
     for (pipeline, consumer, retention) in pipelines {
-        let deleted = clean_consumer(pool, consumer, retention, shutdown).await?;
+        let deleted = clean_consumer(pool, tables, consumer, retention, shutdown).await?;
         if let Some(metrics) = metrics {
             metrics.claims_deleted(pipeline, deleted);
         }
@@ -173,7 +179,7 @@ async fn clean_locked(
 /// Runs [`clean_all`] every pipeline's `every` interval (the shortest), until `shutdown`.
 pub fn spawn_cleaner(
     pipelines: &[PipelineConfig],
-    pool: PgPool,
+    database: Database,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
@@ -198,7 +204,8 @@ pub fn spawn_cleaner(
     tokio::spawn(async move {
         // First pass at start: in partition mode it creates today's partitions.
         loop {
-            match clean_all(&pool, &cleaned, Some(&metrics), &shutdown).await {
+            let (pool, tables) = (&database.pool, &database.tables);
+            match clean_all(pool, tables, &cleaned, Some(&metrics), &shutdown).await {
                 Ok(Pass::Cleaned(deleted)) => {
                     let total: u64 = deleted.values().sum();
                     if total > 0 {

@@ -23,6 +23,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use tracing::debug;
 
 use crate::store::binding::BindError;
+use crate::store::tables::Tables;
 
 /// How long taking a session may wait, for a free one or for a new connection.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -127,6 +128,8 @@ impl Prepared<'_> {
 
 struct Shared {
     config: tokio_postgres::Config,
+    /// Where idem's own tables are in the sessions' database.
+    tables: Arc<Tables>,
     setup: Setup,
     /// `None` when TLS is off (`sslmode=disable` or `allow`).
     tls: Option<MakeRustlsConnect>,
@@ -143,9 +146,11 @@ struct Connection {
 }
 
 impl SessionPool {
-    /// A pool of at most `max` sessions connecting with `config`; opens none yet.
+    /// A pool of at most `max` sessions connecting with `config`, to a database with idem's
+    /// tables where `tables` says; opens none yet.
     pub(crate) fn new(
         config: tokio_postgres::Config,
+        tables: Arc<Tables>,
         setup: Setup,
         tls: Option<MakeRustlsConnect>,
         max: u32,
@@ -153,6 +158,7 @@ impl SessionPool {
         SessionPool {
             shared: Arc::new(Shared {
                 config,
+                tables,
                 setup,
                 tls,
                 idle: Mutex::new(Vec::new()),
@@ -195,6 +201,11 @@ impl SessionPool {
                 timeout: ACQUIRE_TIMEOUT,
                 max: shared.max,
             }))
+    }
+
+    /// Where idem's own tables are in the sessions' database.
+    pub fn tables(&self) -> &Tables {
+        &self.shared.tables
     }
 
     /// Closes the idle sessions (at shutdown); sessions in use close when returned.

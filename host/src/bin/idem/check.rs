@@ -109,27 +109,44 @@ async fn load_plugins(
     plugins
 }
 
-/// Connects to PostgreSQL, checks the schema, and prepares each pipeline's statements; `None`
-/// for a pipeline whose statements failed, with their problems (none at all when the
-/// database cannot be reached).
+/// Connects to every database, checks idem's tables in each, and prepares each pipeline's
+/// statements in its database; `None` for a pipeline whose statements failed, or whose
+/// database cannot be reached, with their problems.
 async fn prepare_statements(
     config: &Config,
     problems: &mut Vec<String>,
 ) -> Vec<Option<StatementCatalog>> {
-    let database = match database::open(&config.database).await {
-        Ok(database) => database,
-        Err(error) => {
-            problems.push(error.to_string());
-            return Vec::new();
+    let mut opened = Vec::new();
+    for (name, database_config) in config.all_databases() {
+        match database::open(database_config).await {
+            Ok(database) => {
+                let outbox = config.outbox.is_some();
+                match database::check_schema(&database.pool, database_config, outbox).await {
+                    Ok(()) => println!(
+                        "ok   {}: idem's tables in {}",
+                        database::label(name),
+                        database.tables.place()
+                    ),
+                    Err(error) => problems.push(error.to_string()),
+                }
+                opened.push((name, Some(database)));
+            }
+            Err(error) => {
+                problems.push(error.to_string());
+                opened.push((name, None));
+            }
         }
-    };
-    if let Err(error) =
-        database::check_schema(&database.pool, &config.database, config.outbox.is_some()).await
-    {
-        problems.push(error.to_string());
     }
     let mut catalogs = Vec::with_capacity(config.pipelines.len());
     for pipeline_config in &config.pipelines {
+        let database = opened
+            .iter()
+            .find(|(name, _)| *name == pipeline_config.database.as_deref())
+            .and_then(|(_, database)| database.as_ref());
+        let Some(database) = database else {
+            catalogs.push(None);
+            continue;
+        };
         match StatementCatalog::prepare(&database.sessions, pipeline_config).await {
             Ok(catalog) => {
                 println!(

@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use idem_host::config::Config;
+use idem_host::store::tables::Tables;
 use idem_host::store::{database, retention};
 
 use crate::ConfigArg;
@@ -17,38 +18,44 @@ pub struct Args {
 impl Args {
     pub async fn run(self) -> anyhow::Result<ExitCode> {
         let config = Config::load(&self.config.config)?;
-        let pool = database::connect_once(&config.database).await?;
-        retention::record_consumers(&pool, &config.database, &config.pipelines).await?;
-        let pipelines: Vec<_> = config
-            .pipelines
-            .iter()
-            .map(|pipeline| {
-                (
-                    pipeline.name.clone(),
-                    pipeline.consumer.clone(),
-                    pipeline.retention.clone(),
-                )
-            })
-            .collect();
-        let never = tokio_util::sync::CancellationToken::new();
-        match retention::clean_all(&pool, &pipelines, None, &never).await? {
-            retention::Pass::Cleaned(deleted) => {
-                for (consumer, count) in deleted {
-                    println!("consumer {consumer:?}: {count} claims deleted");
+        let mut busy = false;
+        for (name, database_config, prefix) in crate::each_database(&config) {
+            let pool = database::connect_once(database_config).await?;
+            let pipelines_in = config.pipelines_in(name);
+            retention::record_consumers(&pool, database_config, &pipelines_in).await?;
+            let pipelines: Vec<_> = pipelines_in
+                .iter()
+                .map(|pipeline| {
+                    (
+                        pipeline.name.clone(),
+                        pipeline.consumer.clone(),
+                        pipeline.retention.clone(),
+                    )
+                })
+                .collect();
+            let never = tokio_util::sync::CancellationToken::new();
+            let tables = Tables::of(database_config);
+            match retention::clean_all(&pool, &tables, &pipelines, None, &never).await? {
+                retention::Pass::Cleaned(deleted) => {
+                    for (consumer, count) in deleted {
+                        println!("{prefix}consumer {consumer:?}: {count} claims deleted");
+                    }
                 }
-                Ok(ExitCode::SUCCESS)
-            }
-            retention::Pass::Partitions(maintenance) => {
-                println!(
-                    "partitions created {:?}, dropped {:?}",
+                retention::Pass::Partitions(maintenance) => println!(
+                    "{prefix}partitions created {:?}, dropped {:?}",
                     maintenance.created, maintenance.dropped
-                );
-                Ok(ExitCode::SUCCESS)
+                ),
+                retention::Pass::Busy => {
+                    println!("{prefix}another idem host is cleaning right now; nothing done");
+                    busy = true;
+                }
             }
-            retention::Pass::Busy => {
-                println!("another idem host is cleaning right now; nothing done");
-                Ok(ExitCode::FAILURE)
-            }
+            pool.close().await;
         }
+        Ok(if busy {
+            ExitCode::FAILURE
+        } else {
+            ExitCode::SUCCESS
+        })
     }
 }

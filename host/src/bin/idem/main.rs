@@ -81,6 +81,22 @@ struct ConfigArg {
     config: PathBuf,
 }
 
+/// Every database of `config` (`[database]` first), with the prefix a command's lines about
+/// it take: `[databases.billing]: ` when there are several, nothing when there is one.
+fn each_database(
+    config: &idem_host::config::Config,
+) -> impl Iterator<Item = (Option<&str>, &idem_host::config::DatabaseConfig, String)> {
+    let several = !config.databases.is_empty();
+    config.all_databases().map(move |(name, database)| {
+        let prefix = if several {
+            format!("{}: ", idem_host::store::database::label(name))
+        } else {
+            String::new()
+        };
+        (name, database, prefix)
+    })
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_format);

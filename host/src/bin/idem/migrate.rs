@@ -4,10 +4,13 @@ use std::process::ExitCode;
 
 use idem_host::config::Config;
 use idem_host::store::database;
+use idem_host::store::tables::Tables;
 
 use crate::ConfigArg;
 
-/// Create or update the host's tables (processed_messages).
+/// Create or update the host's tables (processed_messages, idem_outbox, idem_consumers) in
+/// every database of the config (`[database]` and each `[databases.<name>]`), in its
+/// `schema`, with their history (idem_migrations).
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
@@ -17,9 +20,29 @@ pub struct Args {
 impl Args {
     pub async fn run(self) -> anyhow::Result<ExitCode> {
         let config = Config::load(&self.config.config)?;
-        let pool = database::connect_once(&config.database).await?;
-        database::migrate(&pool, &config.database).await?;
-        println!("migrations applied");
+        for (_, database_config, prefix) in crate::each_database(&config) {
+            let pool = database::connect_once(database_config).await?;
+            let migration = database::migrate(&pool, database_config).await?;
+            pool.close().await;
+            let tables = Tables::of(database_config);
+            if let Some(from) = &migration.moved_from {
+                println!(
+                    "{prefix}moved idem's tables from schema {from:?} to {}",
+                    tables.place()
+                );
+            }
+            if migration.history_adopted > 0 {
+                println!(
+                    "{prefix}moved idem's migration history ({} rows) out of _sqlx_migrations into idem_migrations",
+                    migration.history_adopted
+                );
+            }
+            println!(
+                "{prefix}migrations applied ({} new) in {}",
+                migration.applied,
+                tables.place()
+            );
+        }
         Ok(ExitCode::SUCCESS)
     }
 }

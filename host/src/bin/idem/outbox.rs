@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use idem_host::config::Config;
 use idem_host::source::dead_letters::cut_line;
+use idem_host::store::tables::Tables;
 use idem_host::store::{database, outbox};
 
 use crate::ConfigArg;
@@ -25,12 +26,20 @@ impl Args {
                 config,
                 parked,
                 json,
-            } => outbox(&config.config, OutboxCommand::List { parked, json }).await,
+                database,
+            } => {
+                let command = OutboxCommand::List { parked, json };
+                outbox(&config.config, database, command).await
+            }
             OutboxArgs::Retry {
                 config,
                 destination,
                 id,
-            } => outbox(&config.config, OutboxCommand::Retry { destination, id }).await,
+                database,
+            } => {
+                let command = OutboxCommand::Retry { destination, id };
+                outbox(&config.config, database, command).await
+            }
         }
     }
 }
@@ -47,6 +56,9 @@ enum OutboxArgs {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// Only the rows of `[databases.<name>]` (default: every database's).
+        #[arg(long)]
+        database: Option<String>,
     },
     /// Make parked rows pending again (all, one destination's, or one row); the relay of a
     /// running `idem run` delivers them.
@@ -55,8 +67,13 @@ enum OutboxArgs {
         config: ConfigArg,
         #[arg(long)]
         destination: Option<String>,
+        /// Only row `id` (ids are per database: of `[database]`, unless `--database`).
         #[arg(long)]
         id: Option<i64>,
+        /// Only the rows of `[databases.<name>]` (default: every database's, or
+        /// `[database]`'s with `--id`).
+        #[arg(long)]
+        database: Option<String>,
     },
 }
 
@@ -71,57 +88,65 @@ enum OutboxCommand {
     },
 }
 
-async fn outbox(path: &Path, command: OutboxCommand) -> anyhow::Result<ExitCode> {
+async fn outbox(
+    path: &Path,
+    database: Option<String>,
+    command: OutboxCommand,
+) -> anyhow::Result<ExitCode> {
     let config = Config::load(path)?;
-    let pool = database::connect_once(&config.database).await?;
+    if let Some(name) = &database
+        && !config.databases.contains_key(name)
+    {
+        anyhow::bail!("--database {name:?}: no [databases.{name}] table in the config");
+    }
+    let several = !config.databases.is_empty();
+    let retry_one = matches!(command, OutboxCommand::Retry { id: Some(_), .. });
+    let mut chosen = Vec::new();
+    for (name, database_config) in config.all_databases() {
+        let wanted = match &database {
+            Some(wanted) => name == Some(wanted.as_str()),
+            None => !retry_one || name.is_none(),
+        };
+        if wanted {
+            let pool = database::connect_once(database_config).await?;
+            chosen.push((name, pool, Tables::of(database_config)));
+        }
+    }
     match command {
         OutboxCommand::List { parked, json } => {
-            let rows = outbox::undelivered(&pool, parked, 1000).await?;
+            let mut rows = Vec::new();
+            for (name, pool, tables) in &chosen {
+                for row in outbox::undelivered(pool, tables, parked, 1000).await? {
+                    rows.push((*name, row));
+                }
+            }
             if json {
-                let rows: Vec<_> = rows.iter().map(outbox::Undelivered::json).collect();
+                let rows: Vec<_> = rows
+                    .iter()
+                    .map(|(name, row)| {
+                        let mut json = row.json();
+                        json["database"] = serde_json::json!(name);
+                        json
+                    })
+                    .collect();
                 println!("{}", serde_json::to_string_pretty(&rows)?);
                 return Ok(ExitCode::SUCCESS);
             }
-            let count = rows.len();
-            let table = rows
-                .into_iter()
-                .map(|row| {
-                    [
-                        row.id.to_string(),
-                        if row.parked { "parked" } else { "pending" }.to_string(),
-                        row.destination,
-                        row.idempotency_key,
-                        row.attempts.to_string(),
-                        format_age(Duration::from_secs_f64(row.age_seconds.max(0.0))),
-                        cut_line(row.last_error.as_deref().unwrap_or("-"), 80),
-                    ]
-                })
-                .collect();
-            print_table(
-                &[
-                    "ID",
-                    "STATE",
-                    "DESTINATION",
-                    "KEY",
-                    "ATTEMPTS",
-                    "AGE",
-                    "LAST ERROR",
-                ],
-                table,
-            );
-            eprintln!(
-                "{count} {} outbox row(s){}",
-                if parked { "parked" } else { "undelivered" },
-                if count == 1000 {
-                    " (the oldest 1000)"
-                } else {
-                    ""
-                }
-            );
+            list(rows, parked, several);
             Ok(ExitCode::SUCCESS)
         }
         OutboxCommand::Retry { destination, id } => {
-            let ids = outbox::retry_parked(&pool, destination.as_deref(), id).await?;
+            let mut ids = Vec::new();
+            for (name, pool, tables) in &chosen {
+                for retried in
+                    outbox::retry_parked(pool, tables, destination.as_deref(), id).await?
+                {
+                    ids.push(match name {
+                        Some(name) if several => format!("{name}:{retried}"),
+                        _ => retried.to_string(),
+                    });
+                }
+            }
             if ids.is_empty() {
                 println!("no parked outbox row matched; nothing to retry");
                 return Ok(ExitCode::FAILURE);
@@ -129,12 +154,52 @@ async fn outbox(path: &Path, command: OutboxCommand) -> anyhow::Result<ExitCode>
             println!(
                 "{} parked row(s) are pending again ({}); a running `idem run` delivers them on its relay's next pass",
                 ids.len(),
-                ids.iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                ids.join(", ")
             );
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// Prints undelivered rows as a table, with each row's database when there are several.
+fn list(rows: Vec<(Option<&str>, outbox::Undelivered)>, parked: bool, several: bool) {
+    let count = rows.len();
+    let table = rows
+        .into_iter()
+        .map(|(name, row)| {
+            [
+                match name {
+                    Some(name) if several => format!("{name}:{}", row.id),
+                    _ => row.id.to_string(),
+                },
+                if row.parked { "parked" } else { "pending" }.to_string(),
+                row.destination,
+                row.idempotency_key,
+                row.attempts.to_string(),
+                format_age(Duration::from_secs_f64(row.age_seconds.max(0.0))),
+                cut_line(row.last_error.as_deref().unwrap_or("-"), 80),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "ID",
+            "STATE",
+            "DESTINATION",
+            "KEY",
+            "ATTEMPTS",
+            "AGE",
+            "LAST ERROR",
+        ],
+        table,
+    );
+    eprintln!(
+        "{count} {} outbox row(s){}",
+        if parked { "parked" } else { "undelivered" },
+        if count >= 1000 {
+            " (the oldest 1000 of each database)"
+        } else {
+            ""
+        }
+    );
 }

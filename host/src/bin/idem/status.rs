@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use idem_host::config::Config;
 use idem_host::source;
+use idem_host::store::tables::Tables;
 use idem_host::store::{bookkeeping, database};
 
 use crate::ConfigArg;
@@ -25,12 +26,24 @@ impl Args {
 
 async fn status(path: &Path) -> anyhow::Result<ExitCode> {
     let config = Config::load(path)?;
-    let pool = database::connect_once(&config.database).await.ok();
+    // Every database, reachable or not, with where idem's tables are in it.
+    let mut databases = Vec::new();
+    for (name, database_config) in config.all_databases() {
+        let pool = database::connect_once(database_config).await.ok();
+        databases.push((name, pool, Tables::of(database_config)));
+    }
     for pipeline_config in &config.pipelines {
+        let (_, pool, tables) = databases
+            .iter()
+            .find(|(name, ..)| *name == pipeline_config.database.as_deref())
+            .expect("the config names only databases it has");
         println!(
             "pipeline {:?} (consumer {:?})",
             pipeline_config.name, pipeline_config.consumer
         );
+        if let Some(name) = &pipeline_config.database {
+            println!("  database      {}", database::label(Some(name)));
+        }
         let plugin = match std::fs::read(&pipeline_config.plugin) {
             Ok(bytes) => idem_host::sandbox::digest(&bytes),
             Err(error) => format!("unreadable: {error}"),
@@ -42,13 +55,13 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
         for line in source::status(pipeline_config).await {
             println!("  {:<13} {:?}: {}", line.label, line.name, line.state);
         }
-        if let Some(pool) = &pool {
+        if let Some(pool) = pool {
             let claims: Result<(i64, Option<f64>), sqlx::Error> =
                 bookkeeping::in_transaction(pool, async |connection| {
-                    bookkeeping::query_as(
+                    bookkeeping::query_as(&tables.sql(
                         "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
-                         FROM processed_messages WHERE consumer = $1",
-                    )
+                         FROM {claims} WHERE consumer = $1",
+                    ))
                     .bind(&pipeline_config.consumer)
                     .fetch_one(connection)
                     .await
@@ -64,17 +77,30 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    if let (Some(pool), Some(_)) = (&pool, &config.outbox) {
-        match idem_host::store::outbox::backlog(pool).await {
-            Ok(backlog) => println!(
-                "outbox: {} pending, {} parked, {} delivered (kept for retention)",
-                backlog.pending, backlog.parked, backlog.delivered
+    let several = databases.len() > 1;
+    for (name, pool, tables) in &databases {
+        // `outbox of [databases.billing]: …` when there are several.
+        let of = if several {
+            format!(" of {}", database::label(*name))
+        } else {
+            String::new()
+        };
+        match pool {
+            Some(pool) if config.outbox.is_some() => {
+                match idem_host::store::outbox::backlog(pool, tables).await {
+                    Ok(backlog) => println!(
+                        "outbox{of}: {} pending, {} parked, {} delivered (kept for retention)",
+                        backlog.pending, backlog.parked, backlog.delivered
+                    ),
+                    Err(error) => println!("outbox{of}: unknown ({error})"),
+                }
+            }
+            Some(_) => {}
+            None => println!(
+                "({} unreachable: its claims not shown)",
+                database::label(*name)
             ),
-            Err(error) => println!("outbox: unknown ({error})"),
         }
-    }
-    if pool.is_none() {
-        println!("(database unreachable: claims not shown)");
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -164,7 +164,7 @@ pub async fn statements(
     if offline {
         return StatementCatalog::from_config(pipeline_config);
     }
-    let database = match database::open(&config.database).await {
+    let database = match database::open(config.database_of(pipeline_config)).await {
         Ok(database) => database,
         Err(error) => {
             eprintln!(

@@ -353,17 +353,17 @@ async function refreshOutbox() {
   $("#outbox-rows tbody").replaceChildren(...body.rows.map((row) => el("tr", { "data-state": row.state },
     el("td", { class: "num" }, row.id),
     el("td", { class: row.state === "parked" ? "error" : "" }, row.state),
-    el("td", {}, row.destination),
+    el("td", {}, row.database ? `${row.destination} (${row.database})` : row.destination),
     el("td", { class: "mono" }, row.key),
     el("td", { class: "num" }, row.attempts),
     el("td", {}, age(row.age_seconds)),
     el("td", {}, row.last_error ?? "-"),
-    el("td", {}, row.state === "parked" ? el("button", { type: "button", onclick: () => retryOutbox(row.id) }, "Retry") : null),
+    el("td", {}, row.state === "parked" ? el("button", { type: "button", onclick: () => retryOutbox(row.id, row.database) }, "Retry") : null),
   )));
 }
 
-async function retryOutbox(id) {
-  const { status, body } = await api("POST", "/admin/outbox/retry", { id });
+async function retryOutbox(id, database) {
+  const { status, body } = await api("POST", "/admin/outbox/retry", database ? { id, database } : { id });
   if (status === 200 && body.retried.length) notice(`Outbox row ${id} is pending again.`);
   else notice(`retry: ${body.error || "no parked row matched"}`, true);
   refreshOutbox();
