@@ -11,10 +11,10 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use idem_e2e::{
-    TestEnv, admin_url, create_database, must_succeed, order, pipeline_table, plugin_path, wait_for,
+    TestEnv, admin_url, count, create_database, must_succeed, order, pipeline_table, plugin_path,
+    wait_for,
 };
 use idem_host::config::Config;
-use sqlx::PgPool;
 
 /// The idempotency keys an HTTP endpoint received.
 type Received = Arc<Mutex<BTreeSet<String>>>;
@@ -40,13 +40,6 @@ async fn endpoint() -> (u16, Received) {
     let port = listener.local_addr().expect("endpoint address").port();
     tokio::spawn(async move { axum::serve(listener, router).await });
     (port, received)
-}
-
-async fn scalar(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar::<_, i64>(sql)
-        .fetch_one(pool)
-        .await
-        .unwrap_or_else(|error| panic!("{sql}: {error}"))
 }
 
 /// The loyalty pipeline in `[database]`, the receipts pipeline (with outbox rows to an HTTP
@@ -127,8 +120,8 @@ record_receipt = "INSERT INTO receipts (order_id, customer_id, total_cents) VALU
         "every order and receipt",
         Duration::from_secs(60),
         || async {
-            scalar(&env.pool, "SELECT count(*) FROM point_ledger").await == 60
-                && scalar(&billing, "SELECT count(*) FROM receipts").await == 40
+            count(&env.pool, "SELECT count(*) FROM point_ledger").await == 60
+                && count(&billing, "SELECT count(*) FROM receipts").await == 40
                 && received.lock().expect("keys").len() == 40
         },
     )
@@ -149,16 +142,16 @@ record_receipt = "INSERT INTO receipts (order_id, customer_id, total_cents) VALU
         assert_eq!(env.ready(queue).await, 0, "dead letters in {queue}");
     }
     let claims = "SELECT count(*) FROM processed_messages WHERE consumer = ";
-    assert_eq!(scalar(&env.pool, &format!("{claims}'loyalty'")).await, 60);
-    assert_eq!(scalar(&env.pool, &format!("{claims}'receipts'")).await, 0);
-    assert_eq!(scalar(&billing, &format!("{claims}'receipts'")).await, 40);
-    assert_eq!(scalar(&billing, &format!("{claims}'loyalty'")).await, 0);
+    assert_eq!(count(&env.pool, &format!("{claims}'loyalty'")).await, 60);
+    assert_eq!(count(&env.pool, &format!("{claims}'receipts'")).await, 0);
+    assert_eq!(count(&billing, &format!("{claims}'receipts'")).await, 40);
+    assert_eq!(count(&billing, &format!("{claims}'loyalty'")).await, 0);
     assert_eq!(
-        scalar(&env.pool, "SELECT count(*) FROM idem_outbox").await,
+        count(&env.pool, "SELECT count(*) FROM idem_outbox").await,
         0
     );
     assert_eq!(
-        scalar(
+        count(
             &billing,
             "SELECT count(*) FROM idem_outbox WHERE delivered_at IS NOT NULL"
         )
@@ -166,7 +159,7 @@ record_receipt = "INSERT INTO receipts (order_id, customer_id, total_cents) VALU
         40
     );
     assert_eq!(
-        scalar(&billing, "SELECT count(*) FROM point_ledger").await,
+        count(&billing, "SELECT count(*) FROM point_ledger").await,
         0
     );
     let cleaned = must_succeed("cleanup", &path);

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use idem_e2e::{TestEnv, must_succeed, order, wait_for};
+use idem_e2e::{TestEnv, count, must_succeed, order, wait_for};
 use idem_host::config::Config;
 use sqlx::PgPool;
 
@@ -39,13 +39,6 @@ async fn application_migrator(env: &TestEnv) -> sqlx::migrate::Migrator {
         .expect("the application's migrations")
 }
 
-async fn scalar(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar::<_, i64>(sql)
-        .fetch_one(pool)
-        .await
-        .unwrap_or_else(|error| panic!("{sql}: {error}"))
-}
-
 async fn exists(pool: &PgPool, table: &str) -> bool {
     sqlx::query_scalar::<_, bool>("SELECT to_regclass($1) IS NOT NULL")
         .bind(table)
@@ -68,7 +61,7 @@ async fn run_until(env: &TestEnv, pool: &PgPool, config: Config, ledger_rows: i6
     wait_for(
         &format!("{ledger_rows} ledger rows"),
         Duration::from_secs(60),
-        || async { scalar(pool, "SELECT count(*) FROM point_ledger").await == ledger_rows },
+        || async { count(pool, "SELECT count(*) FROM point_ledger").await == ledger_rows },
     )
     .await;
     wait_for("the queue drained", Duration::from_secs(30), || async {
@@ -78,7 +71,7 @@ async fn run_until(env: &TestEnv, pool: &PgPool, config: Config, ledger_rows: i6
     host.stop().await.expect("host stops cleanly");
     assert_eq!(env.ready(&env.dead_letter_queue).await, 0, "dead letters");
     assert_eq!(
-        scalar(pool, "SELECT count(*) FROM point_ledger").await,
+        count(pool, "SELECT count(*) FROM point_ledger").await,
         ledger_rows,
         "an order was credited twice"
     );
@@ -117,12 +110,12 @@ async fn idem_and_the_application_keep_their_own_tables_and_migrations() {
     let migrated = must_succeed("migrate", &path);
     assert!(migrated.contains("in schema \"idem\""), "{migrated}");
     assert_eq!(
-        scalar(&pool, "SELECT count(*) FROM idem.idem_migrations").await as usize,
+        count(&pool, "SELECT count(*) FROM idem.idem_migrations").await as usize,
         idem_host::store::database::MIGRATOR.iter().count(),
         "idem's history is its own"
     );
     assert_eq!(
-        scalar(&pool, "SELECT count(*) FROM public._sqlx_migrations").await,
+        count(&pool, "SELECT count(*) FROM public._sqlx_migrations").await,
         1,
         "the application's history holds only its own migration"
     );
@@ -131,7 +124,7 @@ async fn idem_and_the_application_keep_their_own_tables_and_migrations() {
         .await
         .expect("the application's migrator runs again, seeing none of idem's versions");
     assert_eq!(
-        scalar(
+        count(
             &pool,
             "SELECT count(*) FROM information_schema.columns \
              WHERE table_schema = 'public' AND table_name = 'processed_messages'"
@@ -154,7 +147,7 @@ async fn idem_and_the_application_keep_their_own_tables_and_migrations() {
     )
     .await;
     assert_eq!(
-        scalar(
+        count(
             &pool,
             "SELECT count(*) FROM idem.processed_messages WHERE consumer = 'loyalty'"
         )
@@ -162,11 +155,11 @@ async fn idem_and_the_application_keep_their_own_tables_and_migrations() {
         50
     );
     assert_eq!(
-        scalar(&pool, "SELECT count(*) FROM public.processed_messages").await,
+        count(&pool, "SELECT count(*) FROM public.processed_messages").await,
         0
     );
     assert_eq!(
-        scalar(&pool, "SELECT count(DISTINCT order_id) FROM point_ledger").await,
+        count(&pool, "SELECT count(DISTINCT order_id) FROM point_ledger").await,
         50
     );
     pool.close().await;
@@ -204,12 +197,12 @@ async fn an_earlier_installation_moves_into_its_schema_with_its_claims() {
         "{adopted}"
     );
     assert_eq!(
-        scalar(&env.pool, "SELECT count(*) FROM _sqlx_migrations").await,
+        count(&env.pool, "SELECT count(*) FROM _sqlx_migrations").await,
         1,
         "the application's row stays"
     );
     assert_eq!(
-        scalar(&env.pool, "SELECT count(*) FROM public.idem_migrations").await as usize,
+        count(&env.pool, "SELECT count(*) FROM public.idem_migrations").await as usize,
         idem_host::store::database::MIGRATOR.iter().count()
     );
     publish(&env, 1..=100).await;
@@ -247,14 +240,14 @@ async fn an_earlier_installation_moves_into_its_schema_with_its_claims() {
         );
     }
     assert_eq!(
-        scalar(&env.pool, "SELECT count(*) FROM idem.processed_messages").await,
+        count(&env.pool, "SELECT count(*) FROM idem.processed_messages").await,
         100
     );
     let partitions = "SELECT count(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
          WHERE i.inhparent = 'idem.processed_messages'::regclass \
            AND c.relnamespace = 'idem'::regnamespace";
     assert!(
-        scalar(&env.pool, partitions).await > 1,
+        count(&env.pool, partitions).await > 1,
         "the day partitions stayed behind"
     );
     // Orders 51 to 100 again (duplicates of moved claims), and 50 new ones.
@@ -267,7 +260,7 @@ async fn an_earlier_installation_moves_into_its_schema_with_its_claims() {
     )
     .await;
     assert_eq!(
-        scalar(
+        count(
             &env.pool,
             "SELECT count(DISTINCT order_id) FROM point_ledger"
         )
@@ -276,7 +269,7 @@ async fn an_earlier_installation_moves_into_its_schema_with_its_claims() {
         "an order was credited twice"
     );
     assert_eq!(
-        scalar(&env.pool, "SELECT count(*) FROM idem.processed_messages").await,
+        count(&env.pool, "SELECT count(*) FROM idem.processed_messages").await,
         150
     );
     env.cleanup().await;

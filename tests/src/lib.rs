@@ -91,6 +91,14 @@ pub async fn create_database(admin_url: &str, database: &str) -> (String, PgPool
     (database_url, pool)
 }
 
+/// The one `bigint` `sql` answers on `pool` (a count, say); panics naming the statement.
+pub async fn count(pool: &PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar::<_, i64>(sql)
+        .fetch_one(pool)
+        .await
+        .unwrap_or_else(|error| panic!("{sql}: {error}"))
+}
+
 /// One test's private world: a database, queue names, and a broker channel for the test itself.
 pub struct TestEnv {
     pub name: String,
@@ -318,10 +326,7 @@ impl TestEnv {
     }
 
     pub async fn count(&self, sql: &str) -> i64 {
-        sqlx::query_scalar::<_, i64>(sql)
-            .fetch_one(&self.pool)
-            .await
-            .unwrap_or_else(|error| panic!("{sql}: {error}"))
+        count(&self.pool, sql).await
     }
 
     /// Asserts the loyalty invariants: one ledger row per claimed order, balances equal the ledger.

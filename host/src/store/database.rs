@@ -643,10 +643,10 @@ async fn move_tables(
     let found: (bool, bool) = bookkeeping::query_as(&format!(
         "SELECT to_regclass({}) IS NULL AND to_regclass({}) IS NOT NULL, \
                 to_regclass({}) IS NOT NULL OR to_regclass({}) IS NOT NULL",
-        literal(&tables.sql("{claims}")),
-        literal(&there.sql("{claims}")),
-        literal(&there.sql("{history}")),
-        literal(&there.sql("{consumers}")),
+        literal(tables.claims()),
+        literal(there.claims()),
+        literal(there.history()),
+        literal(there.consumers()),
     ))
     .fetch_one(&mut *transaction)
     .await?;
@@ -657,29 +657,25 @@ async fn move_tables(
     let partitions: Vec<String> = bookkeeping::query_scalar(&format!(
         "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
          WHERE i.inhparent = to_regclass({})",
-        literal(&there.sql("{claims}"))
+        literal(there.claims())
     ))
     .fetch_all(&mut *transaction)
     .await?;
-    let mut moved: Vec<String> = vec![
-        there.sql("{claims}"),
-        there.sql("{outbox}"),
-        there.sql("{consumers}"),
-        there.sql("{history}"),
-    ];
+    let mut moved: Vec<String> = [
+        there.claims(),
+        there.outbox(),
+        there.consumers(),
+        there.history(),
+    ]
+    .map(str::to_string)
+    .to_vec();
     moved.extend(
         partitions
             .iter()
             .map(|partition| there.qualified(partition)),
     );
     for table in moved {
-        let exists: bool = bookkeeping::query_scalar(&format!(
-            "SELECT to_regclass({}) IS NOT NULL",
-            literal(&table)
-        ))
-        .fetch_one(&mut *transaction)
-        .await?;
-        if exists {
+        if table_exists(transaction, &table).await? {
             sqlx::Executor::execute(
                 &mut *transaction,
                 format!(
@@ -703,11 +699,7 @@ async fn adopt_history(
     tables: &Tables,
 ) -> Result<u64, sqlx::Error> {
     sqlx::Executor::execute(&mut *transaction, tables.sql(CREATE_HISTORY).as_str()).await?;
-    let legacy: bool =
-        bookkeeping::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-            .fetch_one(&mut *transaction)
-            .await?;
-    if !legacy {
+    if !table_exists(transaction, "_sqlx_migrations").await? {
         return Ok(0);
     }
     let (versions, checksums): (Vec<i64>, Vec<Vec<u8>>) = MIGRATOR
@@ -715,12 +707,7 @@ async fn adopt_history(
         .filter(|step| !step.migration_type.is_down_migration())
         .map(|step| (step.version, step.checksum.to_vec()))
         .unzip();
-    let in_place: bool = bookkeeping::query_scalar(&format!(
-        "SELECT to_regclass({}) IS NOT NULL",
-        literal(&tables.sql("{claims}"))
-    ))
-    .fetch_one(&mut *transaction)
-    .await?;
+    let in_place = table_exists(transaction, tables.claims()).await?;
     let taken: i64 = bookkeeping::query_scalar(&tables.sql(
         "WITH idem AS (DELETE FROM _sqlx_migrations \
            WHERE (version, checksum) IN (SELECT * FROM unnest($1::int8[], $2::bytea[])) \
@@ -738,6 +725,19 @@ async fn adopt_history(
     .fetch_one(&mut *transaction)
     .await?;
     Ok(u64::try_from(taken).unwrap_or_default())
+}
+
+/// Whether `table` (qualified, or found by the search path) exists.
+async fn table_exists(
+    transaction: &mut sqlx::PgConnection,
+    table: &str,
+) -> Result<bool, sqlx::Error> {
+    bookkeeping::query_scalar(&format!(
+        "SELECT to_regclass({}) IS NOT NULL",
+        literal(table)
+    ))
+    .fetch_one(transaction)
+    .await
 }
 
 /// `text` as a SQL string literal.
@@ -761,7 +761,7 @@ async fn claims_table_problems(
     connection: &mut sqlx::PgConnection,
     tables: &Tables,
 ) -> Result<Vec<String>, sqlx::Error> {
-    let claims = literal(&tables.sql("{claims}"));
+    let claims = literal(tables.claims());
     // No parameters: the simple protocol, one exchange (see `bookkeeping`).
     let columns = sqlx::Executor::fetch_all(
         &mut *connection,

@@ -90,7 +90,7 @@ pub async fn convert(pool: &PgPool, tables: &Tables) -> Result<Conversion, sqlx:
         format!(
             "CREATE TABLE {} PARTITION OF {} DEFAULT",
             tables.qualified(DEFAULT_PARTITION),
-            tables.sql("{claims}")
+            tables.claims()
         ),
     ];
     for statement in &replace {
@@ -112,7 +112,7 @@ pub async fn convert(pool: &PgPool, tables: &Tables) -> Result<Conversion, sqlx:
     bookkeeping::query(&format!(
         "INSERT INTO {} (consumer, message_key, processed_at, plugin_digest) \
          SELECT consumer, message_key, processed_at, plugin_digest FROM {unpartitioned}",
-        tables.sql("{claims}")
+        tables.claims()
     ))
     .execute(&mut *transaction)
     .await?;
@@ -231,7 +231,7 @@ async fn create_partition(
         "CREATE TABLE IF NOT EXISTS {} PARTITION OF {} \
          FOR VALUES FROM ('{day} 00:00:00+00') TO ('{next} 00:00:00+00')",
         tables.qualified(&name),
-        tables.sql("{claims}"),
+        tables.claims(),
     ))
     .execute(&mut **transaction)
     .await?;

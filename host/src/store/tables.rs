@@ -149,6 +149,26 @@ impl Tables {
             .replace("{schema}", &schema)
     }
 
+    /// The claims table, qualified.
+    pub fn claims(&self) -> &str {
+        &self.claims
+    }
+
+    /// The outbox table, qualified.
+    pub fn outbox(&self) -> &str {
+        &self.outbox
+    }
+
+    /// The consumers' retention windows, qualified.
+    pub fn consumers(&self) -> &str {
+        &self.consumers
+    }
+
+    /// idem's migration history, qualified.
+    pub fn history(&self) -> &str {
+        &self.history
+    }
+
     /// `table` (another of idem's tables: a partition of the claims, say), qualified.
     pub fn qualified(&self, table: &str) -> String {
         match &self.schema {
