@@ -83,9 +83,11 @@ pub async fn loyalty_database(
         .next()
         .and_then(|name| name.split('?').next())
         .expect("a database name");
-    let _ = sqlx::query(&format!("CREATE DATABASE \"{database}\""))
-        .execute(&admin)
-        .await;
+    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE DATABASE \"{database}\""
+    )))
+    .execute(&admin)
+    .await;
     admin.close().await;
     let pool = sqlx::PgPool::connect(database_url)
         .await

@@ -1,9 +1,13 @@
 //! TLS failures as the connections see them: the handshake's verdict (an untrusted or
 //! mismatched certificate, a required client certificate missing, a peer that does not speak
 //! TLS) reaches PostgreSQL's and RabbitMQ's clients as an I/O error carrying a rustls error.
-//! It is a configuration fault; a network failure carries none and is retried. And the TLS
-//! client settings of the message transactions' PostgreSQL sessions (as libpq's `sslmode`)
-//! and of NATS connections.
+//! It is a configuration fault; a network failure carries none and is retried.
+//!
+//! And the one trust policy of every TLS client idem opens (PostgreSQL, RabbitMQ, NATS,
+//! HTTPS deliveries): the system's store plus the CA file the client's settings name
+//! ([`authorities`]), checked as the client's settings say ([`Verify`], libpq's `sslmode`
+//! for PostgreSQL). The bookkeeping pool's driver (sqlx, with its native-roots TLS) applies
+//! the same policy to the same settings.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,6 +16,8 @@ use rustls::DigitallySignedStruct;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+
+use crate::config::ClientTls;
 
 /// Whether an I/O error carries the TLS handshake's verdict (an untrusted or mismatched
 /// certificate, a peer that does not speak TLS) rather than a network failure.
@@ -59,7 +65,7 @@ pub struct TlsFileError {
 
 /// The settings a client's TLS files are named by, for the errors that name them.
 pub struct FileSettings {
-    /// The authorities trusted besides the public roots.
+    /// The authorities trusted besides the system's store.
     pub roots: &'static str,
     /// The client certificate.
     pub cert: &'static str,
@@ -74,19 +80,39 @@ pub const POSTGRES_FILES: FileSettings = FileSettings {
     key: "sslkey",
 };
 
-/// A rustls client configuration: the authorities of `root_cert` (a PEM file) beside the
-/// Mozilla roots, checked as `verify` says, and the client certificate `cert` with its `key`
-/// when the server asks for one. For a PostgreSQL session the same rules as the bookkeeping
-/// pool's driver; `files` names the settings in errors.
-pub fn client_config(
-    verify: Verify,
-    root_cert: Option<&Path>,
-    client: Option<(&Path, &Path)>,
+/// The authorities a TLS client of idem trusts: the system's store, found as OpenSSL finds
+/// it (`SSL_CERT_FILE` and `SSL_CERT_DIR` when set; on Debian `/etc/ssl/certs`, where
+/// `update-ca-certificates` installs a corporate CA), and the certificates of `ca_file` (a
+/// PEM file; `files.roots` names its setting in errors). A system store that cannot be read
+/// where `SSL_CERT_FILE` or `SSL_CERT_DIR` point is refused; elsewhere its unreadable entries
+/// are skipped, with a warning.
+pub fn authorities(
+    ca_file: Option<&Path>,
     files: &FileSettings,
-) -> Result<rustls::ClientConfig, TlsFileError> {
-    let mut roots =
-        rustls::RootCertStore::from_iter(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-    if let Some(path) = root_cert {
+) -> Result<rustls::RootCertStore, TlsFileError> {
+    let system = rustls_native_certs::load_native_certs();
+    if let Some(error) = system.errors.first() {
+        let chosen = ["SSL_CERT_FILE", "SSL_CERT_DIR"]
+            .into_iter()
+            .find_map(|name| std::env::var_os(name).map(|path| (name, path)));
+        match chosen {
+            Some((name, path)) => {
+                return Err(TlsFileError {
+                    what: name,
+                    path: path.into(),
+                    reason: error.to_string(),
+                });
+            }
+            None => tracing::warn!(
+                %error,
+                "Part of the system's certificate store could not be read; the rest is trusted."
+            ),
+        }
+    }
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add_parsable_certificates(system.certs);
+    if let Some(path) = ca_file {
+        let mut added = 0;
         for certificate in
             CertificateDer::pem_file_iter(path).map_err(file_error(files.roots, path))?
         {
@@ -94,8 +120,25 @@ pub fn client_config(
             roots
                 .add(certificate)
                 .map_err(file_error(files.roots, path))?;
+            added += 1;
+        }
+        if added == 0 {
+            return Err(file_error(files.roots, path)("it holds no PEM certificate"));
         }
     }
+    Ok(roots)
+}
+
+/// A rustls client configuration: the [`authorities`] (with `root_cert`), checked as `verify`
+/// says, and the client certificate `cert` with its `key` when the server asks for one.
+/// `files` names the settings in errors.
+pub fn client_config(
+    verify: Verify,
+    root_cert: Option<&Path>,
+    client: Option<(&Path, &Path)>,
+    files: &FileSettings,
+) -> Result<rustls::ClientConfig, TlsFileError> {
+    let roots = authorities(root_cert, files)?;
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let builder = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
@@ -128,6 +171,25 @@ pub fn client_config(
                 .map_err(file_error(files.cert, cert))
         }
     }
+}
+
+/// A broker's TLS client settings (RabbitMQ's `[amqp.tls]`, a JetStream source's `tls`;
+/// none given: the system's store alone): the server's certificate signed by one of the
+/// [`authorities`] and naming the host, and the client certificate when one is set.
+pub fn broker_config(
+    settings: Option<&ClientTls>,
+    files: &FileSettings,
+) -> Result<rustls::ClientConfig, TlsFileError> {
+    let settings = settings.cloned().unwrap_or_default();
+    client_config(
+        Verify::Full,
+        settings.ca_file.as_deref(),
+        settings
+            .cert_file
+            .as_deref()
+            .zip(settings.key_file.as_deref()),
+        files,
+    )
 }
 
 /// A `TlsFileError` for `what` at `path`, from whatever the reading or the check said.

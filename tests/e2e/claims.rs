@@ -387,11 +387,11 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
 async fn effects_run_under_the_pipeline_role() {
     let env = TestEnv::new("role").await;
     let role = format!("{}_writer", env.database);
-    sqlx::raw_sql(&format!(
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE ROLE \"{role}\" NOLOGIN; \
          GRANT INSERT, UPDATE, SELECT ON balances, point_ledger TO \"{role}\"; \
          CREATE TABLE secrets (value text); INSERT INTO secrets VALUES ('keep');"
-    ))
+    )))
     .execute(&env.pool)
     .await
     .expect("create role");
@@ -470,13 +470,15 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
         .expect("an unknown role stops start-up");
     assert!(missing.contains("no_such_role_idem"), "{missing}");
     env.cleanup().await;
-    let _ = sqlx::raw_sql(&format!("DROP ROLE IF EXISTS \"{role}\""))
-        .execute(
-            &sqlx::PgPool::connect(&idem_e2e::admin_url())
-                .await
-                .expect("admin pool"),
-        )
-        .await;
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP ROLE IF EXISTS \"{role}\""
+    )))
+    .execute(
+        &sqlx::PgPool::connect(&idem_e2e::admin_url())
+            .await
+            .expect("admin pool"),
+    )
+    .await;
 }
 
 #[tokio::test]

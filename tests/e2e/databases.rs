@@ -169,9 +169,11 @@ record_receipt = "INSERT INTO receipts (order_id, customer_id, total_cents) VALU
     );
 
     billing.close().await;
-    sqlx::query(&format!("DROP DATABASE \"{billing_name}\" WITH (FORCE)"))
-        .execute(&env.pool)
-        .await
-        .expect("drop database");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE \"{billing_name}\" WITH (FORCE)"
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("drop database");
     env.cleanup().await;
 }

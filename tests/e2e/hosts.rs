@@ -20,7 +20,7 @@ async fn publish_orders(env: &TestEnv, ids: std::ops::RangeInclusive<i64>) {
 }
 
 async fn count(pool: &sqlx::PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sql)
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
         .fetch_one(pool)
         .await
         .expect("count")

@@ -21,3 +21,4 @@ mod sandbox;
 mod schema_change;
 mod shared_database;
 mod triage;
+mod trust;

@@ -579,7 +579,7 @@ async fn cargo_install_gives_a_binary_that_migrates_and_runs() {
     let mut admin = sqlx::PgConnection::connect(&idem_e2e::admin_url())
         .await
         .expect("admin connection");
-    sqlx::query(&format!("CREATE DATABASE \"{fresh}\""))
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{fresh}\"")))
         .execute(&mut admin)
         .await
         .expect("create database");
@@ -587,9 +587,11 @@ async fn cargo_install_gives_a_binary_that_migrates_and_runs() {
     let mut connection = sqlx::PgConnection::connect(&fresh_url)
         .await
         .expect("fresh database");
-    sqlx::raw_sql(
-        &std::fs::read_to_string(repo.join("examples/loyalty/schema.sql")).expect("schema"),
-    )
+    sqlx::raw_sql(sqlx::AssertSqlSafe(
+        std::fs::read_to_string(repo.join("examples/loyalty/schema.sql"))
+            .expect("schema")
+            .to_string(),
+    ))
     .execute(&mut connection)
     .await
     .expect("business schema");
@@ -643,10 +645,12 @@ async fn cargo_install_gives_a_binary_that_migrates_and_runs() {
         .expect("join");
     assert_eq!(status.code(), Some(0));
     drop(connection);
-    sqlx::query(&format!("DROP DATABASE \"{fresh}\" WITH (FORCE)"))
-        .execute(&mut admin)
-        .await
-        .expect("drop database");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE \"{fresh}\" WITH (FORCE)"
+    )))
+    .execute(&mut admin)
+    .await
+    .expect("drop database");
     let _ = std::fs::remove_dir_all(&root);
     env.cleanup().await;
 }
@@ -694,10 +698,12 @@ fn completions_and_schema_are_printed() {
 async fn a_processed_messages_of_another_shape_is_refused_not_adopted() {
     let env = TestEnv::new("foreign_claims").await;
     let foreign = format!("{}_foreign", env.database);
-    sqlx::query(&format!("CREATE DATABASE \"{foreign}\""))
-        .execute(&env.pool)
-        .await
-        .expect("create database");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE DATABASE \"{foreign}\""
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("create database");
     let foreign_url = env.database_url.replace(&env.database, &foreign);
     let pool = sqlx::PgPool::connect(&foreign_url).await.expect("connect");
     sqlx::raw_sql(
@@ -741,9 +747,11 @@ async fn a_processed_messages_of_another_shape_is_refused_not_adopted() {
     .expect("the guide's table");
     idem_e2e::must_succeed("migrate", &path);
     pool.close().await;
-    sqlx::query(&format!("DROP DATABASE \"{foreign}\" WITH (FORCE)"))
-        .execute(&env.pool)
-        .await
-        .expect("drop database");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE \"{foreign}\" WITH (FORCE)"
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("drop database");
     env.cleanup().await;
 }

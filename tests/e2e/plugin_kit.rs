@@ -398,10 +398,14 @@ async fn new_build_test_serve(language: &str) {
     );
 
     // The generated schema and pipeline fragment, pointed at this test's database and queues.
-    sqlx::raw_sql(&std::fs::read_to_string(project.join("schema.sql")).expect("schema"))
-        .execute(&env.pool)
-        .await
-        .expect("schema applies");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(
+        std::fs::read_to_string(project.join("schema.sql"))
+            .expect("schema")
+            .to_string(),
+    ))
+    .execute(&env.pool)
+    .await
+    .expect("schema applies");
     let fragment = std::fs::read_to_string(project.join("pipeline.toml"))
         .expect("fragment")
         .replace(

@@ -48,7 +48,7 @@ async fn idem_runs_behind_pgbouncer_in_transaction_pooling() {
 
     // A fresh database migrated through the pooler, twice (the second finds nothing to do).
     let fresh = format!("{}_fresh", env.database);
-    sqlx::query(&format!("CREATE DATABASE \"{fresh}\""))
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{fresh}\"")))
         .execute(&env.pool)
         .await
         .expect("create database");
@@ -123,10 +123,12 @@ async fn idem_runs_behind_pgbouncer_in_transaction_pooling() {
     database.pool.close().await;
     database.sessions.close_idle();
     drop(bouncer);
-    sqlx::query(&format!("DROP DATABASE \"{fresh}\" WITH (FORCE)"))
-        .execute(&env.pool)
-        .await
-        .expect("drop database");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE \"{fresh}\" WITH (FORCE)"
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("drop database");
     env.cleanup().await;
 }
 

@@ -86,7 +86,7 @@ async fn run_until(env: &TestEnv, pool: &PgPool, config: Config, ledger_rows: i6
 async fn idem_and_the_application_keep_their_own_tables_and_migrations() {
     let env = TestEnv::new("shared_schema").await;
     let shared = format!("{}_app", env.database);
-    sqlx::query(&format!("CREATE DATABASE \"{shared}\""))
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{shared}\"")))
         .execute(&env.pool)
         .await
         .expect("create database");
@@ -163,10 +163,12 @@ async fn idem_and_the_application_keep_their_own_tables_and_migrations() {
         50
     );
     pool.close().await;
-    sqlx::query(&format!("DROP DATABASE \"{shared}\" WITH (FORCE)"))
-        .execute(&env.pool)
-        .await
-        .expect("drop database");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE \"{shared}\" WITH (FORCE)"
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("drop database");
     env.cleanup().await;
 }
 

@@ -204,9 +204,9 @@ async fn altered_table_under_load_dead_letters_nothing() {
     .await;
     let alters = 5;
     for column in 0..alters {
-        sqlx::query(&format!(
+        sqlx::query(sqlx::AssertSqlSafe(format!(
             "ALTER TABLE point_ledger ADD COLUMN extra_{column} int"
-        ))
+        )))
         .execute(&env.pool)
         .await
         .expect("alter table");
@@ -227,10 +227,10 @@ async fn revoked_grant_pauses_the_pipeline_until_granted() {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new("fault_revoke").await;
     let role = format!("{}_writer", env.database);
-    sqlx::raw_sql(&format!(
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "DROP ROLE IF EXISTS \"{role}\"; CREATE ROLE \"{role}\" NOLOGIN; \
          GRANT SELECT, INSERT, UPDATE ON point_ledger, balances TO \"{role}\";"
-    ))
+    )))
     .execute(&env.pool)
     .await
     .expect("role");
@@ -256,10 +256,12 @@ async fn revoked_grant_pauses_the_pipeline_until_granted() {
         credited(&env).await > 0
     })
     .await;
-    sqlx::query(&format!("REVOKE INSERT ON point_ledger FROM \"{role}\""))
-        .execute(&env.pool)
-        .await
-        .expect("revoke");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "REVOKE INSERT ON point_ledger FROM \"{role}\""
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("revoke");
     wait_for("the pipeline to pause", Duration::from_secs(30), || async {
         metrics.is_paused("loyalty") == 1
     })
@@ -277,10 +279,12 @@ async fn revoked_grant_pauses_the_pipeline_until_granted() {
         0,
         "dead letters while paused"
     );
-    sqlx::query(&format!("GRANT INSERT ON point_ledger TO \"{role}\""))
-        .execute(&env.pool)
-        .await
-        .expect("grant");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "GRANT INSERT ON point_ledger TO \"{role}\""
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("grant");
     let granted = Instant::now();
     let published = publisher.await.expect("publisher");
     wait_settled(&env, &published, Duration::from_secs(120)).await;

@@ -66,10 +66,12 @@ pub async fn create_database(admin_url: &str, database: &str) -> (String, PgPool
     let mut admin = PgConnection::connect(admin_url)
         .await
         .expect("PostgreSQL reachable (scripts/services.sh starts it)");
-    sqlx::query(&format!("CREATE DATABASE \"{database}\""))
-        .execute(&mut admin)
-        .await
-        .expect("create test database");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE DATABASE \"{database}\""
+    )))
+    .execute(&mut admin)
+    .await
+    .expect("create test database");
     let database_url = replace_database(admin_url, database);
     let pool = PgPoolOptions::new()
         .max_connections(20)
@@ -83,7 +85,7 @@ pub async fn create_database(admin_url: &str, database: &str) -> (String, PgPool
         let path = Path::new(REPO_ROOT).join(example);
         let schema = std::fs::read_to_string(&path)
             .unwrap_or_else(|error| panic!("{}: {error}", path.display()));
-        sqlx::raw_sql(&schema)
+        sqlx::raw_sql(sqlx::AssertSqlSafe(schema.to_string()))
             .execute(&pool)
             .await
             .unwrap_or_else(|error| panic!("{}: {error}", path.display()));
@@ -93,7 +95,7 @@ pub async fn create_database(admin_url: &str, database: &str) -> (String, PgPool
 
 /// The one `bigint` `sql` answers on `pool` (a count, say); panics naming the statement.
 pub async fn count(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar::<_, i64>(sql)
+    sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql))
         .fetch_one(pool)
         .await
         .unwrap_or_else(|error| panic!("{sql}: {error}"))
@@ -375,10 +377,10 @@ impl TestEnv {
         }
         self.pool.close().await;
         if let Ok(mut admin) = PgConnection::connect(&admin_url()).await {
-            let _ = sqlx::query(&format!(
+            let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
                 "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
                 self.database
-            ))
+            )))
             .execute(&mut admin)
             .await;
         }
@@ -496,10 +498,16 @@ pub fn must_succeed(command: &str, path: &Path) -> String {
 /// Runs `idem <command> --config <file>`, which must exit non-zero within 10 s; returns its
 /// output.
 pub fn must_refuse(command: &str, config: &Path) -> String {
+    must_refuse_with(command, config, &[])
+}
+
+/// [`must_refuse`] with extra environment variables.
+pub fn must_refuse_with(command: &str, config: &Path, env: &[(&str, &str)]) -> String {
     let started = Instant::now();
     let mut child = Command::new(idem_binary())
         .args([command, "--config"])
         .arg(config)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -640,7 +640,10 @@ async fn inject(
         }
         Fault::Migration => match migrations.next() {
             Some(sql) => {
-                let outcome = match sqlx::raw_sql(sql).execute(&env.pool).await {
+                let outcome = match sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_string()))
+                    .execute(&env.pool)
+                    .await
+                {
                     Ok(_) => "done".to_string(),
                     Err(error) => format!("failed: {error}"),
                 };
@@ -716,7 +719,7 @@ async fn inject(
 
 /// `sql`'s one number, or `None` while the database is away.
 async fn sql_count(env: &TestEnv, sql: &str) -> Option<i64> {
-    sqlx::query_scalar::<_, i64>(sql)
+    sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql))
         .fetch_one(&env.pool)
         .await
         .ok()
@@ -726,7 +729,10 @@ async fn sql_count(env: &TestEnv, sql: &str) -> Option<i64> {
 async fn count(env: &TestEnv, sql: &str) -> i64 {
     let until = Instant::now() + Duration::from_secs(120);
     loop {
-        match sqlx::query_scalar::<_, i64>(sql).fetch_one(&env.pool).await {
+        match sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql))
+            .fetch_one(&env.pool)
+            .await
+        {
             Ok(count) => return count,
             Err(error) if Instant::now() > until => panic!("{sql}: {error}"),
             Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,

@@ -2,7 +2,7 @@
 //! outbox.
 
 use std::num::NonZeroU32;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use schemars::JsonSchema;
@@ -91,8 +91,9 @@ pub struct DatabaseTls {
     /// As libpq's `sslmode`: disable | allow | prefer (the default) | require | verify-ca |
     /// verify-full.
     pub mode: Option<SslMode>,
-    /// PEM file of the certificate authorities that may sign the server's certificate
-    /// (`sslrootcert`); without it, the Mozilla roots.
+    /// PEM file of certificate authorities that may sign the server's certificate
+    /// (`sslrootcert`), trusted besides the system's store; `system` (as libpq): the system's
+    /// store alone, with `verify-full`.
     #[serde(default, deserialize_with = "interpolated_path_option")]
     pub root_cert: Option<PathBuf>,
     /// PEM client certificate (`sslcert`), for servers that require one.
@@ -102,6 +103,9 @@ pub struct DatabaseTls {
     #[serde(default, deserialize_with = "interpolated_path_option")]
     pub key: Option<PathBuf>,
 }
+
+/// libpq's `sslrootcert=system`: the system's store, no file.
+pub const SYSTEM_ROOTS: &str = "system";
 
 /// libpq's `sslmode` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
@@ -132,7 +136,12 @@ impl DatabaseConfig {
             return Err(document.at(span, &format!("{key}.schema"), problem));
         }
         if let Some(tls) = &mut database.tls {
-            for path in [&mut tls.root_cert, &mut tls.cert, &mut tls.key]
+            let system = Path::new(SYSTEM_ROOTS);
+            let root_cert = tls
+                .root_cert
+                .as_mut()
+                .filter(|path| path.as_path() != system);
+            for path in [root_cert, tls.cert.as_mut(), tls.key.as_mut()]
                 .into_iter()
                 .flatten()
             {

@@ -22,7 +22,7 @@ mod source;
 mod text;
 mod tls;
 
-pub use database::{DatabaseConfig, DatabaseTls, Hosts, Pooling, SslMode};
+pub use database::{DatabaseConfig, DatabaseTls, Hosts, Pooling, SYSTEM_ROOTS, SslMode};
 pub use http::HttpConfig;
 pub use outbox::{Destination, OutboxConfig};
 pub use pipeline::{

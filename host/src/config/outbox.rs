@@ -37,8 +37,8 @@ pub enum Destination {
     Http {
         url: String,
         timeout: Duration,
-        /// PEM file of the only certificate authorities trusted to sign an `https://`
-        /// endpoint's certificate (default: the system's roots).
+        /// PEM file of certificate authorities trusted to sign an `https://` endpoint's
+        /// certificate, besides the system's store.
         ca_file: Option<PathBuf>,
     },
     /// Publish to `exchange` on `broker` with publisher confirms, persistent, `mandatory`
@@ -89,8 +89,8 @@ enum RawDestination {
         #[serde(default = "default_http_timeout", deserialize_with = "duration")]
         #[schemars(schema_with = "duration_schema")]
         timeout: Duration,
-        /// For an `https://` url: PEM file of the only certificate authorities trusted to
-        /// sign the endpoint's certificate (default: the system's roots).
+        /// For an `https://` url: PEM file of certificate authorities trusted to sign the
+        /// endpoint's certificate, besides the system's store.
         #[serde(default, deserialize_with = "interpolated_path_option")]
         ca_file: Option<PathBuf>,
     },

@@ -13,7 +13,7 @@ use super::text::{Document, interpolated_path_option};
 #[serde(deny_unknown_fields)]
 pub struct ClientTls {
     /// PEM file of the certificate authorities that may sign the server's certificate, trusted
-    /// besides the usual public roots.
+    /// besides the system's store.
     #[serde(default, deserialize_with = "interpolated_path_option")]
     pub ca_file: Option<PathBuf>,
     /// PEM client certificate, for brokers that require one (mutual TLS).

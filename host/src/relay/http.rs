@@ -7,6 +7,14 @@ use std::time::Duration;
 use super::DeliveryError;
 use crate::config::{Destination, OutboxConfig, redact_url};
 use crate::store::outbox::Taken;
+use crate::tls;
+
+/// The settings an HTTP destination's TLS files are named by (it presents no certificate).
+const TLS_FILES: tls::FileSettings = tls::FileSettings {
+    roots: "ca_file",
+    cert: "",
+    key: "",
+};
 
 /// A destination's settings that cannot work: the host does not start.
 #[derive(Debug, thiserror::Error)]
@@ -17,8 +25,8 @@ pub struct DestinationError {
     reason: String,
 }
 
-/// One HTTP client per HTTP destination, trusting the destination's `ca_file` alone when it
-/// has one (the system's roots otherwise).
+/// One HTTP client per HTTP destination, trusting idem's authorities: the system's store
+/// and the destination's `ca_file` (see `tls::authorities`).
 pub fn http_clients(
     config: &OutboxConfig,
 ) -> Result<BTreeMap<String, reqwest::Client>, DestinationError> {
@@ -32,29 +40,14 @@ pub fn http_clients(
             key,
             reason,
         };
+        let tls = tls::client_config(tls::Verify::Full, ca_file.as_deref(), None, &TLS_FILES)
+            .map_err(|error| failed("ca_file", error.to_string()))?;
         // A redirect is not a delivery: following it would turn the POST into a GET to
         // somewhere else (a login page) and read its 200 as a confirmation. A 3xx is a
         // failed attempt, with the Location in the row's last error.
-        let mut builder = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none());
-        if let Some(ca_file) = ca_file {
-            let pem = std::fs::read(ca_file).map_err(|error| {
-                failed(
-                    "ca_file",
-                    format!("cannot read {}: {error}", ca_file.display()),
-                )
-            })?;
-            let authorities = reqwest::Certificate::from_pem_bundle(&pem)
-                .ok()
-                .filter(|authorities| !authorities.is_empty())
-                .ok_or_else(|| {
-                    failed(
-                        "ca_file",
-                        format!("{} holds no PEM certificate", ca_file.display()),
-                    )
-                })?;
-            builder = builder.tls_certs_only(authorities);
-        }
-        let client = builder
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .tls_backend_preconfigured(tls)
             .build()
             .map_err(|error| failed("url", error_chain(&error)))?;
         clients.insert(name.clone(), client);

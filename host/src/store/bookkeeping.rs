@@ -6,12 +6,16 @@
 //! statement of that name collides with it), and every statement with parameters runs
 //! inside a transaction: sqlx parses and binds in two exchanges, and between them only an
 //! open transaction keeps the pooler from lending the server connection, and its unnamed
-//! statement, to another client (`in_transaction`). Statements without parameters may use
-//! `sqlx::raw_sql`.
+//! statement, to another client (`in_transaction`). Statements without parameters may run
+//! as `raw`.
+//!
+//! Their text is idem's own (constants, with idem's table names filled in by
+//! `store::tables`): never a value from a message, a plugin or a request, which are always
+//! bound as parameters. That is what `AssertSqlSafe` asserts, here and only here.
 
 use sqlx::postgres::{PgArguments, PgConnection, PgRow};
 use sqlx::query::{Query, QueryAs, QueryScalar};
-use sqlx::{FromRow, PgPool, Postgres};
+use sqlx::{AssertSqlSafe, FromRow, PgPool, Postgres, RawSql};
 
 /// Runs `work` in a transaction of its own on `pool`, and commits it.
 pub async fn in_transaction<T>(
@@ -25,22 +29,28 @@ pub async fn in_transaction<T>(
 }
 
 /// `sqlx::query`, unnamed.
-pub fn query(sql: &str) -> Query<'_, Postgres, PgArguments> {
-    sqlx::query(sql).persistent(false)
+pub fn query(sql: &str) -> Query<'static, Postgres, PgArguments> {
+    sqlx::query(AssertSqlSafe(sql)).persistent(false)
 }
 
 /// `sqlx::query_as`, unnamed.
-pub fn query_as<O>(sql: &str) -> QueryAs<'_, Postgres, O, PgArguments>
+pub fn query_as<O>(sql: &str) -> QueryAs<'static, Postgres, O, PgArguments>
 where
     O: for<'r> FromRow<'r, PgRow>,
 {
-    sqlx::query_as(sql).persistent(false)
+    sqlx::query_as(AssertSqlSafe(sql)).persistent(false)
 }
 
 /// `sqlx::query_scalar`, unnamed.
-pub fn query_scalar<O>(sql: &str) -> QueryScalar<'_, Postgres, O, PgArguments>
+pub fn query_scalar<O>(sql: &str) -> QueryScalar<'static, Postgres, O, PgArguments>
 where
     (O,): for<'r> FromRow<'r, PgRow>,
 {
-    sqlx::query_scalar(sql).persistent(false)
+    sqlx::query_scalar(AssertSqlSafe(sql)).persistent(false)
+}
+
+/// `sqlx::raw_sql`: statements without parameters, sent as one simple query (several may be
+/// separated by `;`).
+pub fn raw(sql: &str) -> RawSql {
+    sqlx::raw_sql(AssertSqlSafe(sql))
 }

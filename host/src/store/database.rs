@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::backoff::Backoff;
-use crate::config::{Config, DatabaseConfig, DatabaseTls, SslMode, redact_url};
+use crate::config::{Config, DatabaseConfig, DatabaseTls, SYSTEM_ROOTS, SslMode, redact_url};
 use crate::store::bookkeeping;
 use crate::store::fault::{
     DatabaseFailure, TLS_SETTINGS, refused_setting, session_refused_setting,
@@ -170,6 +170,11 @@ fn resolve_host(config: &DatabaseConfig, url: &str) -> Result<PgConnectOptions, 
     if let Some(tls) = &config.tls {
         options = with_tls(options, tls);
     }
+    options = as_libpq(options).map_err(|reason| DatabaseError::Refused {
+        endpoint: redact_url(&config.url),
+        reason,
+        setting: "sslmode and sslrootcert in [database] url (or [database.tls] mode and root_cert)",
+    })?;
     if options.get_application_name().is_none() {
         // Visible in pg_stat_activity, so an operator can tell idem's sessions apart.
         options = options.application_name("idem");
@@ -229,7 +234,9 @@ async fn pool(
             let settings = settings.clone();
             Box::pin(async move {
                 if let Some(settings) = settings {
-                    sqlx::Executor::execute(&mut *connection, settings.as_str()).await?;
+                    bookkeeping::raw(&settings)
+                        .execute(&mut *connection)
+                        .await?;
                 }
                 if read_write {
                     primary::guard_connect(connection).await?;
@@ -315,8 +322,7 @@ fn sessions(
     }
     // A certificate given inline (PEM in PGSSLROOTCERT) is not a file; only files are read.
     let file = |name: &str| {
-        parameter(name)
-            .map(|value| std::path::PathBuf::from(value.strip_prefix("file: ").unwrap_or(&value)))
+        parameter(name).and_then(|value| value.strip_prefix("file: ").map(std::path::PathBuf::from))
     };
     use tokio_postgres::config::SslMode as Wire;
     let (wire, verify) = match options.get_ssl_mode() {
@@ -375,6 +381,35 @@ fn session_hosts(candidates: &Candidates) -> tokio_postgres::Config {
         session.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
     }
     session
+}
+
+/// libpq's rules for `sslrootcert`: `system` is the system's store (which idem trusts
+/// anyway) and no file, and asks for `verify-full` (the default `prefer` becomes it, a weaker
+/// mode is refused); a root certificate file turns `require` into `verify-ca`.
+fn as_libpq(mut options: PgConnectOptions) -> Result<PgConnectOptions, String> {
+    let root_cert = options
+        .to_url_lossy()
+        .query_pairs()
+        .find(|(key, _)| key == "sslrootcert")
+        .map(|(_, value)| value.into_owned());
+    let Some(root_cert) = root_cert.filter(|value| !value.is_empty()) else {
+        return Ok(options);
+    };
+    let mode = options.get_ssl_mode();
+    if root_cert == format!("file: {SYSTEM_ROOTS}") {
+        return match mode {
+            PgSslMode::Prefer | PgSslMode::VerifyFull => Ok(options
+                .ssl_mode(PgSslMode::VerifyFull)
+                .ssl_root_cert_from_pem(Vec::new())),
+            weaker => Err(format!(
+                "sslrootcert=system needs sslmode=verify-full (as libpq), not {weaker:?}"
+            )),
+        };
+    }
+    if matches!(mode, PgSslMode::Require) {
+        options = options.ssl_mode(PgSslMode::VerifyCa);
+    }
+    Ok(options)
 }
 
 /// The `[database.tls]` settings over the URL's.
@@ -566,10 +601,11 @@ pub async fn migrate_tables(
         .await?;
     let mut migration = Migration::default();
     if let Some(schema) = tables.schema() {
-        sqlx::Executor::execute(
-            &mut *transaction,
-            format!("CREATE SCHEMA IF NOT EXISTS {}", quote_identifier(schema)).as_str(),
-        )
+        bookkeeping::raw(&format!(
+            "CREATE SCHEMA IF NOT EXISTS {}",
+            quote_identifier(schema)
+        ))
+        .execute(&mut *transaction)
         .await?;
         migration.moved_from = move_tables(&mut transaction, tables, schema).await?;
     }
@@ -580,10 +616,11 @@ pub async fn migrate_tables(
             .await?;
     if let Some(schema) = tables.schema() {
         // The migrations name their tables unqualified: they land in idem's schema.
-        sqlx::Executor::execute(
-            &mut *transaction,
-            format!("SET LOCAL search_path TO {}", quote_identifier(schema)).as_str(),
-        )
+        bookkeeping::raw(&format!(
+            "SET LOCAL search_path TO {}",
+            quote_identifier(schema)
+        ))
+        .execute(&mut *transaction)
         .await?;
     }
     for step in MIGRATOR.iter() {
@@ -602,7 +639,9 @@ pub async fn migrate_tables(
             None => {}
         }
         let started = std::time::Instant::now();
-        sqlx::raw_sql(&step.sql).execute(&mut *transaction).await?;
+        sqlx::raw_sql(step.sql.clone())
+            .execute(&mut *transaction)
+            .await?;
         bookkeeping::query(&tables.sql(
             "INSERT INTO {history} (version, description, success, checksum, execution_time) \
              VALUES ($1, $2, true, $3, $4)",
@@ -676,14 +715,11 @@ async fn move_tables(
     );
     for table in moved {
         if table_exists(transaction, &table).await? {
-            sqlx::Executor::execute(
-                &mut *transaction,
-                format!(
-                    "ALTER TABLE {table} SET SCHEMA {}",
-                    quote_identifier(schema)
-                )
-                .as_str(),
-            )
+            bookkeeping::raw(&format!(
+                "ALTER TABLE {table} SET SCHEMA {}",
+                quote_identifier(schema)
+            ))
+            .execute(&mut *transaction)
             .await?;
         }
     }
@@ -698,7 +734,9 @@ async fn adopt_history(
     transaction: &mut sqlx::PgConnection,
     tables: &Tables,
 ) -> Result<u64, sqlx::Error> {
-    sqlx::Executor::execute(&mut *transaction, tables.sql(CREATE_HISTORY).as_str()).await?;
+    bookkeeping::raw(&tables.sql(CREATE_HISTORY))
+        .execute(&mut *transaction)
+        .await?;
     if !table_exists(transaction, "_sqlx_migrations").await? {
         return Ok(0);
     }
@@ -763,17 +801,14 @@ async fn claims_table_problems(
 ) -> Result<Vec<String>, sqlx::Error> {
     let claims = literal(tables.claims());
     // No parameters: the simple protocol, one exchange (see `bookkeeping`).
-    let columns = sqlx::Executor::fetch_all(
-        &mut *connection,
-        format!(
-            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), \
+    let columns = bookkeeping::raw(&format!(
+        "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), \
                 (a.attnotnull AND NOT a.atthasdef AND a.attidentity = '')::text \
          FROM pg_attribute a \
          WHERE a.attrelid = to_regclass({claims}) AND a.attnum > 0 \
            AND NOT a.attisdropped"
-        )
-        .as_str(),
-    )
+    ))
+    .fetch_all(&mut *connection)
     .await?;
     if columns.is_empty() {
         return Ok(Vec::new());
@@ -802,17 +837,14 @@ async fn claims_table_problems(
             ));
         }
     }
-    let keys = sqlx::Executor::fetch_all(
-        &mut *connection,
-        format!(
-            "SELECT string_agg(a.attname::text, ',' ORDER BY a.attname) \
+    let keys = bookkeeping::raw(&format!(
+        "SELECT string_agg(a.attname::text, ',' ORDER BY a.attname) \
          FROM pg_index i JOIN pg_attribute a \
            ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
          WHERE i.indrelid = to_regclass({claims}) AND i.indisunique \
          GROUP BY i.indexrelid"
-        )
-        .as_str(),
-    )
+    ))
+    .fetch_all(&mut *connection)
     .await?;
     let mut unique = Vec::with_capacity(keys.len());
     for row in &keys {
@@ -867,7 +899,8 @@ pub async fn check_schema(
     foreign_claims(config, &tables, problems)?;
     for probe in probes {
         // No parameters: the simple protocol, one exchange (see `bookkeeping`).
-        sqlx::Executor::execute(&mut *connection, tables.sql(probe).as_str())
+        bookkeeping::raw(&tables.sql(probe))
+            .execute(&mut *connection)
             .await
             .map_err(schema_error)?;
     }

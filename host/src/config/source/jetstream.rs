@@ -26,7 +26,7 @@ pub struct JetStreamConfig {
     /// server hands out.
     pub credentials_file: Option<PathBuf>,
     /// TLS: required when set (also with a `nats://` URL), with these authorities and client
-    /// certificate; a `tls://` URL alone uses the public roots.
+    /// certificate; a `tls://` URL alone trusts the system's store.
     pub tls: Option<ClientTls>,
     pub stream: String,
     /// The subject filter of the consumer; the stream's subjects when absent.

@@ -114,7 +114,7 @@ pub(super) struct RawSource {
     #[serde(default, deserialize_with = "interpolated_path_option")]
     credentials_file: Option<PathBuf>,
     /// JetStream: TLS, required when this is set: `ca_file` (authorities trusted besides the
-    /// public roots), `cert_file` and `key_file` (a client certificate, for servers that ask).
+    /// system's store), `cert_file` and `key_file` (a client certificate, for servers that ask).
     tls: Option<ClientTls>,
     /// JetStream: the stream this pipeline consumes.
     #[serde(default, deserialize_with = "interpolated_spanned_option")]

@@ -104,24 +104,17 @@ pub async fn connect(
                     ),
                 })?;
     }
-    if let Some(settings) = &source.tls {
-        let client = settings
-            .cert_file
-            .as_deref()
-            .zip(settings.key_file.as_deref());
-        let config = tls::client_config(
-            tls::Verify::Full,
-            settings.ca_file.as_deref(),
-            client,
-            &TLS_FILES,
-        )
-        .map_err(|error| JetStreamError::Refused {
+    // Always idem's trust policy, also for a server that asks for TLS unasked.
+    let config = tls::broker_config(source.tls.as_ref(), &TLS_FILES).map_err(|error| {
+        JetStreamError::Refused {
             subject: format!("{table}.tls"),
             reason: error.to_string(),
             setting: format!("{table}.tls: ca_file, cert_file and key_file"),
-        })?;
-        options = options.require_tls(true).tls_client_config(config);
-    }
+        }
+    })?;
+    options = options
+        .require_tls(source.tls.is_some())
+        .tls_client_config(config);
     let servers = source.servers.join(", ");
     let refused = |error: &async_nats::ConnectError, setting: String| JetStreamError::Refused {
         subject: format!("the connection to {servers}"),
@@ -157,7 +150,7 @@ pub async fn connect(
 /// The settings a failed TLS handshake names.
 fn tls_setting(table: &str) -> String {
     format!(
-        "{table}.tls and the host names in {table}.servers: the server's certificate must be signed by an authority trusted here (ca_file) and name the host; a server that asks for a client certificate needs cert_file and key_file it trusts"
+        "{table}.tls and the host names in {table}.servers: the server's certificate must be signed by an authority trusted here (the system's store or ca_file) and name the host; a server that asks for a client certificate needs cert_file and key_file it trusts"
     )
 }
 

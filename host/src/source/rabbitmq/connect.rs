@@ -2,12 +2,14 @@
 //! and the verdict on a failure: a refusal no retry can fix (credentials, vhost, TLS) or an
 //! outage to wait out.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
+use lapin::tcp::{AMQPUriTcpExt, RustlsConnector};
 use lapin::types::LongString;
+use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
 
 use super::AmqpError;
@@ -75,32 +77,54 @@ pub async fn connect(config: &AmqpConfig, name: String) -> Result<Connection, Am
     }))
 }
 
-/// Connects to the one node at `url`.
+/// Connects to the one node at `url`: TCP, then (`amqps://`) TLS with idem's trust policy,
+/// then the AMQP handshake.
 async fn connect_to(
     url: &str,
     tls: Option<&ClientTls>,
     name: String,
 ) -> Result<Connection, AmqpError> {
     let endpoint = redact_url(url);
-    let tls = tls_config(tls).map_err(|reason| AmqpError::Refused {
+    let refused = |reason: String, setting: &str| AmqpError::Refused {
         subject: format!("the connection to {endpoint}"),
         reason,
-        setting: TLS_SETTINGS.into(),
-    })?;
+        setting: setting.into(),
+    };
+    let uri: AMQPUri = url
+        .parse()
+        .map_err(|reason: String| refused(reason, "[amqp] url"))?;
+    let connector = match uri.scheme {
+        AMQPScheme::AMQPS => Some(RustlsConnector::from(Arc::new(
+            tls::broker_config(tls, &TLS_FILES)
+                .map_err(|error| refused(error.to_string(), TLS_SETTINGS))?,
+        ))),
+        AMQPScheme::AMQP => None,
+    };
     let properties = ConnectionProperties::default().with_connection_name(LongString::from(name));
     let runtime = lapin::runtime::default_runtime().map_err(|source| AmqpError::Connect {
         endpoint: endpoint.clone(),
         source,
     })?;
-    let connecting = Connection::connect_with_config(url, properties, tls, runtime);
+    let connecting = Connection::connector(
+        uri,
+        runtime,
+        async move |uri: AMQPUri, runtime| {
+            let tcp = AMQPUri {
+                scheme: AMQPScheme::AMQP,
+                ..uri.clone()
+            };
+            let stream = tcp.connect_async(&runtime).await?;
+            Ok(match &connector {
+                Some(connector) => stream.into_rustls(connector, &uri.authority.host).await?,
+                None => stream,
+            })
+        },
+        properties,
+    );
     match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
         Ok(Ok(connection)) => Ok(connection),
         Ok(Err(source)) => Err(match refused_setting(&source) {
-            Some(setting) => AmqpError::Refused {
-                subject: format!("the connection to {endpoint}"),
-                reason: source.to_string(),
-                setting: setting.into(),
-            },
+            Some(setting) => refused(source.to_string(), setting),
             None => AmqpError::Connect { endpoint, source },
         }),
         Err(_elapsed) => Err(AmqpError::Timeout {
@@ -110,33 +134,12 @@ async fn connect_to(
     }
 }
 
-/// Reads the PEM files of `[amqp.tls]`.
-fn tls_config(tls: Option<&ClientTls>) -> Result<OwnedTLSConfig, String> {
-    let Some(tls) = tls else {
-        return Ok(OwnedTLSConfig::default());
-    };
-    let read = |path: &std::path::Path| {
-        std::fs::read(path).map_err(|error| format!("cannot read {}: {error}", path.display()))
-    };
-    let cert_chain = match &tls.ca_file {
-        Some(path) => Some(
-            String::from_utf8(read(path)?)
-                .map_err(|_| format!("{} is not a PEM file", path.display()))?,
-        ),
-        None => None,
-    };
-    let identity = match (&tls.cert_file, &tls.key_file) {
-        (Some(cert), Some(key)) => Some(OwnedIdentity::PKCS8 {
-            pem: read(cert)?,
-            key: read(key)?,
-        }),
-        _ => None,
-    };
-    Ok(OwnedTLSConfig {
-        identity,
-        cert_chain,
-    })
-}
+/// The settings `[amqp.tls]`'s files are named by.
+const TLS_FILES: tls::FileSettings = tls::FileSettings {
+    roots: "[amqp.tls] ca_file",
+    cert: "[amqp.tls] cert_file",
+    key: "[amqp.tls] key_file",
+};
 
 /// The setting to change when connecting failed in a way no retry can fix; `None` for an
 /// outage (refused or unreachable address, a broker restarting), which is retried.
