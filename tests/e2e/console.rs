@@ -164,7 +164,7 @@ async fn the_console_in_a_browser() {
     };
     let (chaos_queue, chaos_dead_letters) = env.extra_queues("chaos").await;
     let port = free_port();
-    let token = "console-token";
+    let token = "console-token-0123456789abcdef0123";
     let text = format!(
         "{}{}{}\n[http]\nlisten = \"127.0.0.1:{port}\"\nadmin_token = \"{token}\"\n",
         env.config_header(),

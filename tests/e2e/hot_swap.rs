@@ -169,7 +169,7 @@ async fn broken_builds_are_refused_and_the_old_build_keeps_serving() {
     let self_test = slot.with_file_name("self-test.json");
     std::fs::write(&self_test, order(1, 1, 100)).expect("self-test message");
     let port = free_port();
-    let token = "s3cret-token";
+    let token = "s3cret-token-0123456789abcdef01234";
     let config_text = format!(
         "{}\n[http]\nlisten = \"127.0.0.1:{port}\"\nadmin_token = \"{token}\"\n",
         env.config_text(

@@ -6,7 +6,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use idem_e2e::jetstream::TestStream;
-use idem_e2e::{TestEnv, free_port, http_request, http_send, idem_binary, plugin_path, wait_for};
+use idem_e2e::{
+    TestEnv, free_port, http_exchange, http_request, http_send, idem_binary, plugin_path, wait_for,
+};
 use idem_host::config::Config;
 
 fn idem(config: &Path, args: &[&str]) -> (bool, String) {
@@ -278,7 +280,7 @@ async fn the_admin_api_groups_dead_letters_and_replays_a_group() {
         .await
         .expect("add constraint");
     let port = free_port();
-    let token = "triage-token";
+    let token = "triage-token-0123456789abcdef01234";
     let text = format!(
         "{}\n[http]\nlisten = \"127.0.0.1:{port}\"\nadmin_token = \"{token}\"\n",
         env.config_text("chaos", "max_attempts = 1")
@@ -373,7 +375,45 @@ async fn the_admin_api_groups_dead_letters_and_replays_a_group() {
     )
     .await;
     assert_eq!(status, 403, "an action from another site: {body}");
+    // A page whose domain was rebound to this address: same origin as far as the browser
+    // knows, but addressed to a name this endpoint does not answer to.
+    let rebound_host = format!("evil.example:{port}");
+    let rebound_origin = format!("http://evil.example:{port}");
+    for (method, path, json) in [
+        ("GET", "/admin/dead-letters/loyalty".to_string(), None),
+        ("GET", format!("/admin/dead-letters/loyalty/{first}"), None),
+        ("POST", path.to_string(), Some(replay.as_str())),
+    ] {
+        let (status, _, body) = http_exchange(
+            port,
+            method,
+            &path,
+            &[
+                ("Host", rebound_host.as_str()),
+                ("Origin", rebound_origin.as_str()),
+                ("Authorization", bearer.as_str()),
+            ],
+            json,
+        )
+        .await;
+        assert_eq!(status, 421, "{method} {path} to a rebound name: {body}");
+        assert!(body.contains("[http] hosts"), "{body}");
+    }
     assert_eq!(env.ready(&env.dead_letter_queue).await, 5, "nothing moved");
+    // Every answer carries the security headers.
+    let (status, head, _) =
+        http_exchange(port, "GET", "/admin/dead-letters/loyalty", &[], None).await;
+    assert_eq!(status, 200);
+    let head = head.to_ascii_lowercase();
+    for header in [
+        "x-content-type-options: nosniff",
+        "x-frame-options: deny",
+        "referrer-policy: no-referrer",
+        "cache-control: no-store",
+        "content-security-policy: default-src 'none'; frame-ancestors 'none'",
+    ] {
+        assert!(head.contains(header), "no {header:?} in {head}");
+    }
     let (status, body) = http_send(
         port,
         "POST",

@@ -324,6 +324,30 @@ async fn a_ca_in_the_system_store_is_trusted_by_every_client() {
     env.cleanup().await;
 }
 
+/// Runs `idem run` on `config` (with `variables` in its environment) until the orders
+/// `orders`, published to the env's queue, are credited; `how` names the connection.
+async fn credit(
+    env: &TestEnv,
+    config: &Path,
+    variables: &[(&str, &str)],
+    orders: std::ops::RangeInclusive<i64>,
+    how: &str,
+) {
+    let host = spawn_idem(config, variables);
+    let last = *orders.end();
+    for order_id in orders {
+        env.publish(&order(order_id, order_id % 3, 1_000)).await;
+    }
+    wait_for(
+        &format!("credits up to order {last} over {how}"),
+        Duration::from_secs(60),
+        || async { env.count("SELECT count(*) FROM point_ledger").await == last },
+    )
+    .await;
+    let status = host.terminate();
+    assert!(status.success(), "idem run exited with {status}");
+}
+
 /// PostgreSQL's TLS modes as libpq has them, on both kinds of the host's connections (its
 /// sessions and its bookkeeping pool): `verify-ca` trusts a certificate its CA signed for
 /// another name; `sslrootcert=system` is the system's store and `verify-full` (a weaker mode
@@ -353,17 +377,7 @@ async fn postgres_tls_modes_behave_as_libpq() {
         unnamed.port,
         &format!("sslmode=verify-ca&sslrootcert={}", pki.ca.display()),
     );
-    let host = spawn_idem(&config_path, &[]);
-    for order_id in 1..=30 {
-        env.publish(&order(order_id, order_id % 3, 1_000)).await;
-    }
-    wait_for(
-        "30 credits over verify-ca",
-        Duration::from_secs(60),
-        || async { env.count("SELECT count(*) FROM point_ledger").await == 30 },
-    )
-    .await;
-    assert!(host.terminate().success());
+    credit(&env, &config_path, &[], 1..=30, "verify-ca").await;
     let handshakes = unnamed.handshakes();
     // At least the bookkeeping pool's connection and one session.
     assert!(handshakes.len() >= 2, "{handshakes:?}");
@@ -374,20 +388,15 @@ async fn postgres_tls_modes_behave_as_libpq() {
 
     let store = system_store(&directory.join("store.pem"), &[&pki.ca]);
     at("localhost", named.port, "sslrootcert=system");
-    let host = spawn_idem(
+    let store = store.to_str().expect("path");
+    credit(
+        &env,
         &config_path,
-        &[("SSL_CERT_FILE", store.to_str().expect("path"))],
-    );
-    for order_id in 31..=60 {
-        env.publish(&order(order_id, order_id % 3, 1_000)).await;
-    }
-    wait_for(
-        "30 more credits with sslrootcert=system",
-        Duration::from_secs(60),
-        || async { env.count("SELECT count(*) FROM point_ledger").await == 60 },
+        &[("SSL_CERT_FILE", store)],
+        31..=60,
+        "sslrootcert=system",
     )
     .await;
-    assert!(host.terminate().success());
     env.assert_loyalty_consistent().await;
 
     at(

@@ -721,11 +721,30 @@ pub async fn http_send(
     headers: &[(&str, &str)],
     json: Option<&str>,
 ) -> (u16, String) {
+    let (status, _, body) = http_exchange(port, method, path, headers, json).await;
+    (status, body)
+}
+
+/// [`http_send`], returning the answer's head (status line and headers) too. A `Host` among
+/// `headers` replaces the default (`127.0.0.1:<port>`).
+pub async fn http_exchange(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    json: Option<&str>,
+) -> (u16, String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .expect("connect to the host's HTTP endpoint");
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n");
+    let mut head = format!("{method} {path} HTTP/1.1\r\n");
+    if !headers
+        .iter()
+        .any(|(name, _)| name.eq_ignore_ascii_case("host"))
+    {
+        head.push_str(&format!("Host: 127.0.0.1:{port}\r\n"));
+    }
     for (name, value) in headers {
         head.push_str(&format!("{name}: {value}\r\n"));
     }
@@ -752,10 +771,8 @@ pub async fn http_send(
         .nth(1)
         .and_then(|code| code.parse().ok())
         .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map_or(String::new(), |(_, body)| body.to_string());
-    (status, body)
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    (status, head.to_string(), body.to_string())
 }
 
 /// A new broker connection with a channel in confirm mode; keep the connection while using the channel.

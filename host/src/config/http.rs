@@ -17,10 +17,15 @@ pub struct HttpConfig {
     #[serde(default = "default_listen")]
     #[schemars(with = "String")]
     pub listen: SocketAddr,
-    /// Bearer token required by every action on `/admin/…`, and by every read when `listen` is
-    /// not a loopback address; mandatory then.
+    /// Bearer token (at least 32 characters) required by every action on `/admin/…`, and by
+    /// every read when `listen` is not a loopback address; mandatory then.
     #[serde(default, deserialize_with = "interpolated_option")]
     pub admin_token: Option<String>,
+    /// Host names a request may be addressed to (its `Host`), besides IP addresses and
+    /// `localhost`: the names this endpoint is reached by (`"*"`: any). Other names are
+    /// refused, so a page whose domain was rebound to this address gets nothing.
+    #[serde(default)]
+    pub hosts: Vec<String>,
     /// Serve the operator console at `/` (default `true`): pipelines, dead letters, outbox.
     #[serde(default = "default_console")]
     pub console: bool,
@@ -36,6 +41,29 @@ impl HttpConfig {
         let span = table.span();
         let mut http = table.into_inner();
         http.admin_token = http.admin_token.filter(|token| !token.is_empty());
+        if let Some(token) = &http.admin_token
+            && token.chars().count() < MIN_TOKEN_LENGTH
+        {
+            return Err(document.at(
+                Some(span),
+                "http.admin_token",
+                format!(
+                    "at least {MIN_TOKEN_LENGTH} characters (this one has {}); `openssl rand -hex 32` makes one",
+                    token.chars().count()
+                ),
+            ));
+        }
+        if let Some(bad) = http
+            .hosts
+            .iter()
+            .find(|name| name.is_empty() || name.contains([':', '/', ' ', '[', ']']))
+        {
+            return Err(document.at(
+                Some(span),
+                "http.hosts",
+                format!("{bad:?} is not a host name (no scheme, port or path: \"idem.internal\")"),
+            ));
+        }
         if !http.listen.ip().is_loopback() && http.admin_token.is_none() {
             return Err(document.at(
                 Some(span),
@@ -49,6 +77,9 @@ impl HttpConfig {
         Ok(http)
     }
 }
+
+/// The shortest admin token taken: 32 characters (128 bits as hex).
+pub const MIN_TOKEN_LENGTH: usize = 32;
 
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 9464))

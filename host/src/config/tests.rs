@@ -242,6 +242,14 @@ fn errors_name_line_and_key() {
         &format!("{VALID}\n[http]\nlisten = \"0.0.0.0:9464\"\n"),
         &["http.admin_token: required"],
     );
+    check_error(
+        &format!("{VALID}\n[http]\nadmin_token = \"s3cret\"\n"),
+        &["line 15", "http.admin_token", "at least 32 characters"],
+    );
+    check_error(
+        &format!("{VALID}\n[http]\nhosts = [\"idem.internal:9464\"]\n"),
+        &["line 15", "http.hosts", "not a host name"],
+    );
 }
 
 #[test]

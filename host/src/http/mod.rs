@@ -3,11 +3,14 @@
 //! `/admin/status` lists pipelines with their plugin build; `POST /admin/reload/{pipeline}`
 //! hot-swaps a plugin; `triage` lists and replays dead letters and parked outbox rows.
 //!
-//! Access: when an admin token is configured, every action (a `POST`) requires
-//! `Authorization: Bearer <token>`, and so does every read when the listener is not a loopback
-//! address (the config refuses such an address without a token). An action that a browser
-//! sends from another site (its `Origin` is not this host) is refused, token or not; nothing
-//! changes state on a `GET`.
+//! Access: a request addressed (its `Host`) to a name this endpoint does not answer to is
+//! refused on every route, so a page whose domain was rebound to this address reads and does
+//! nothing (IP addresses, `localhost` and `[http] hosts` are answered). When an admin token is
+//! configured, every action (a `POST`) requires `Authorization: Bearer <token>`, and so does
+//! every read when the listener is not a loopback address (the config refuses such an address
+//! without a token). An action that a
+//! browser sends from another site (its `Origin` is not this host) is refused, token or not;
+//! nothing changes state on a `GET`. Every answer carries the security headers.
 
 mod console;
 mod history;
@@ -42,6 +45,8 @@ struct AppState {
     admin_token: Option<Arc<str>>,
     /// Whether the listener is a loopback address: reads need no token there.
     loopback: bool,
+    /// `[http] hosts`: the names requests may be addressed to besides IPs and `localhost`.
+    hosts: Arc<[String]>,
     history: Arc<history::History>,
 }
 
@@ -98,6 +103,7 @@ pub async fn serve(
         history,
         admin_token: config.admin_token.as_deref().map(Arc::from),
         loopback: config.listen.ip().is_loopback(),
+        hosts: Arc::from(config.hosts.as_slice()),
     };
     let reads = Router::new()
         .route("/admin/status", get(status))
@@ -126,7 +132,10 @@ pub async fn serve(
     if config.console {
         app = app.merge(console::routes());
     }
-    let app = app.with_state(state);
+    let app = app
+        .layer(middleware::from_fn(security_headers))
+        .layer(middleware::from_fn_with_state(state.clone(), guard_host))
+        .with_state(state);
     let address = listener.local_addr().unwrap_or(config.listen);
     if config.console {
         info!(%address, "HTTP endpoint listening: the console at http://{address}/, /metrics, /healthz, /readyz, /admin.");
@@ -141,6 +150,66 @@ pub async fn serve(
             warn!(%error, "HTTP endpoint stopped.");
         }
     }))
+}
+
+/// Every route: only requests addressed to this endpoint's own names.
+async fn guard_host(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if !addressed_here(&request, &state.hosts) {
+        return (
+            StatusCode::MISDIRECTED_REQUEST,
+            "this host does not answer to that name; add it to [http] hosts\n",
+        )
+            .into_response();
+    }
+    next.run(request).await
+}
+
+/// Whether `request`'s `Host` is an IP address, `localhost` or one of `hosts` (`"*"`: any
+/// name). A request without one (HTTP/1.0) is not a browser's.
+fn addressed_here(request: &Request, hosts: &[String]) -> bool {
+    let Some(host) = request.headers().get(header::HOST) else {
+        return true;
+    };
+    let Ok(host) = host.to_str() else {
+        return false;
+    };
+    let name = match host.strip_prefix('[') {
+        // `[::1]:9464`
+        Some(bracketed) => return bracketed.split(']').next().is_some_and(is_ip),
+        None => host.rsplit_once(':').map_or(host, |(name, _port)| name),
+    };
+    is_ip(name)
+        || name.eq_ignore_ascii_case("localhost")
+        || hosts
+            .iter()
+            .any(|allowed| allowed == "*" || allowed.eq_ignore_ascii_case(name))
+}
+
+fn is_ip(name: &str) -> bool {
+    name.parse::<std::net::IpAddr>().is_ok()
+}
+
+/// Every answer: never sniffed, framed, cached (the admin API's) or sent on as a referrer.
+async fn security_headers(request: Request, next: Next) -> Response {
+    let admin = request.uri().path().starts_with("/admin");
+    let mut response = next.run(request).await;
+    let headers = response.headers_mut();
+    let mut set = |name, value: &'static str| {
+        headers
+            .entry(name)
+            .or_insert(header::HeaderValue::from_static(value));
+    };
+    set(header::X_CONTENT_TYPE_OPTIONS, "nosniff");
+    set(header::X_FRAME_OPTIONS, "DENY");
+    set(header::REFERRER_POLICY, "no-referrer");
+    set(
+        header::CONTENT_SECURITY_POLICY,
+        "default-src 'none'; frame-ancestors 'none'",
+    );
+    if admin {
+        set(header::CACHE_CONTROL, "no-store");
+    }
+    response
 }
 
 /// A read: the token when one is set and the listener is not loopback.
@@ -335,7 +404,7 @@ fn unix_seconds(time: SystemTime) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::{same_origin, same_secret};
+    use super::{addressed_here, same_origin, same_secret};
 
     fn request(headers: &[(&str, &str)]) -> axum::extract::Request {
         let mut builder = axum::http::Request::builder()
@@ -372,6 +441,35 @@ mod tests {
             "Origin",
             "http://127.0.0.1:9464"
         )])));
+    }
+
+    #[test]
+    fn requests_to_other_names_are_told_apart() {
+        let hosts = ["idem.internal".to_string()];
+        let to = |host: &str| addressed_here(&request(&[("Host", host)]), &hosts);
+        for here in [
+            "127.0.0.1:9464",
+            "10.1.2.3",
+            "[::1]:9464",
+            "localhost:9464",
+            "LOCALHOST",
+            "idem.internal:9464",
+        ] {
+            assert!(to(here), "{here}");
+        }
+        for elsewhere in [
+            "evil.example:9464",
+            "localhost.evil.example",
+            "[evil]:1",
+            "idem",
+        ] {
+            assert!(!to(elsewhere), "{elsewhere}");
+        }
+        assert!(addressed_here(&request(&[]), &hosts), "HTTP/1.0, no Host");
+        assert!(addressed_here(
+            &request(&[("Host", "anything.example")]),
+            &["*".to_string()]
+        ));
     }
 
     #[test]
