@@ -180,14 +180,15 @@ pub fn broker_config(
     settings: Option<&ClientTls>,
     files: &FileSettings,
 ) -> Result<rustls::ClientConfig, TlsFileError> {
-    let settings = settings.cloned().unwrap_or_default();
     client_config(
         Verify::Full,
-        settings.ca_file.as_deref(),
-        settings
-            .cert_file
-            .as_deref()
-            .zip(settings.key_file.as_deref()),
+        settings.and_then(|settings| settings.ca_file.as_deref()),
+        settings.and_then(|settings| {
+            settings
+                .cert_file
+                .as_deref()
+                .zip(settings.key_file.as_deref())
+        }),
         files,
     )
 }

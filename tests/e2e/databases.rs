@@ -20,10 +20,7 @@ use idem_host::config::Config;
 type Received = Arc<Mutex<BTreeSet<String>>>;
 
 async fn receive(State(received): State<Received>, headers: HeaderMap) -> StatusCode {
-    if let Some(key) = headers
-        .get("idempotency-key")
-        .and_then(|value| value.to_str().ok())
-    {
+    if let Some(key) = idem_e2e::idempotency_key(&headers) {
         received.lock().expect("keys").insert(key.to_string());
     }
     StatusCode::OK

@@ -34,9 +34,7 @@ type Shared = Arc<Mutex<Endpoint>>;
 
 /// Accepts a receipt, except the first attempt of every tenth new key, which gets a 503.
 async fn receive(State(endpoint): State<Shared>, headers: HeaderMap, body: String) -> StatusCode {
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|value| value.to_str().ok())
+    let key = idem_e2e::idempotency_key(&headers)
         .unwrap_or_default()
         .to_string();
     let mut endpoint = endpoint.lock().expect("endpoint state");
@@ -498,9 +496,7 @@ async fn outbox_retry_sends_a_parked_row_again_once() {
                 if !accepting.load(std::sync::atomic::Ordering::SeqCst) {
                     return StatusCode::SERVICE_UNAVAILABLE;
                 }
-                let key = headers
-                    .get("idempotency-key")
-                    .and_then(|value| value.to_str().ok())
+                let key = idem_e2e::idempotency_key(&headers)
                     .unwrap_or_default()
                     .to_string();
                 delivered.lock().expect("deliveries").push(key);

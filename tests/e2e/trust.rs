@@ -96,9 +96,7 @@ impl Servers {
             post({
                 let receipts = Arc::clone(&receipts);
                 move |headers: HeaderMap| async move {
-                    let key = headers
-                        .get("idempotency-key")
-                        .and_then(|value| value.to_str().ok())
+                    let key = idem_e2e::idempotency_key(&headers)
                         .unwrap_or_default()
                         .to_string();
                     receipts.lock().expect("receipts").push(key);

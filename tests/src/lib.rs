@@ -696,6 +696,13 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// The `Idempotency-Key` an outbox delivery carried, if any.
+pub fn idempotency_key(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
+        .get("idempotency-key")
+        .and_then(|value| value.to_str().ok())
+}
+
 /// A minimal HTTP/1.1 request to 127.0.0.1:`port`; returns the status code and the body.
 pub async fn http_request(
     port: u16,

@@ -125,10 +125,7 @@ struct Endpoint {
 }
 
 async fn receive(State(endpoint): State<Arc<Mutex<Endpoint>>>, headers: HeaderMap) -> StatusCode {
-    let Some(key) = headers
-        .get("idempotency-key")
-        .and_then(|value| value.to_str().ok())
-    else {
+    let Some(key) = crate::idempotency_key(&headers) else {
         return StatusCode::BAD_REQUEST;
     };
     *endpoint
