@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: services up, toolchains, Chromium, PgBouncer and pg_auto_failover installed,
+# The test command: services up, toolchains, Chromium, PgBouncer, pg_auto_failover and Prometheus installed,
 # plugins built (by tests/build.rs), every test against real PostgreSQL, RabbitMQ and NATS
 # JetStream. Extra arguments go to `cargo test`.
 set -euo pipefail
@@ -19,10 +19,12 @@ if [ ! -d "$root/plugins/loyalty-js/node_modules" ]; then
 fi
 # Debian packages the tests run: Chromium for the console's browser test (driven by
 # playwright-core, which downloads no browser of its own), PgBouncer for the pooler tests,
-# pg_auto_failover (for the installed PostgreSQL) for the failover scenario.
+# pg_auto_failover (for the installed PostgreSQL) for the failover scenario, Prometheus
+# (prometheus and promtool) for the alert rules and the scrape test.
 missing=()
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+[ -x /usr/bin/promtool ] || missing+=(prometheus)
 pg_version="$(ls /usr/lib/postgresql 2>/dev/null | sort -V | tail -n1)"
 [ -x /usr/bin/pg_autoctl ] || missing+=("postgresql-${pg_version}-auto-failover")
 if [ ${#missing[@]} -gt 0 ]; then

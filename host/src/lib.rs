@@ -20,8 +20,9 @@
 //!   whose fault an error is, the outbox table, retention and partitions, connecting.
 //! - [`relay`]: the outbox relay, delivering committed outbox rows to HTTP endpoints and AMQP
 //!   exchanges.
-//! - [`http`], [`metrics`]: the HTTP listener (`/metrics`, `/healthz`, `/readyz`,
-//!   `/admin/…`), and the counters every layer records into.
+//! - [`http`], [`metrics`], [`sampler`]: the HTTP listener (`/metrics`, `/healthz`,
+//!   `/readyz`, `/admin/…`), the counters every layer records into, and the gauges sampled
+//!   from the sources and databases on an interval.
 //! - [`pipeline`]: a pipeline's parts put together (plugin, statements, sessions, pause);
 //!   [`reload`]: hot swap of its plugin (file watch, SIGHUP, admin call).
 //! - [`cases`]: plugin test cases (`idem test`) and the JSON form of an outcome (`idem try`).
@@ -41,6 +42,7 @@ pub mod pipeline;
 pub mod process;
 pub mod relay;
 pub mod reload;
+pub mod sampler;
 pub mod sandbox;
 pub mod source;
 pub mod store;

@@ -3,7 +3,8 @@
 //! Names follow `idem_<name>_<unit>[_total]`; label values come from bounded sets
 //! (pipeline names from the config, fixed outcome and result words), never message data.
 
-use std::time::Duration;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, SystemTime};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -24,6 +25,35 @@ pub struct Metrics {
     claims_deleted: Family<PipelineLabels, Counter>,
     outbox_deliveries: Family<DestinationLabels, Counter>,
     pipeline_paused: Family<PipelineLabels, Gauge>,
+    sampled: Sampled,
+}
+
+/// The gauges sampled on an interval (`sampler`), whether or not anyone looks.
+struct Sampled {
+    waiting: Family<PipelineLabels, Gauge>,
+    unacknowledged: Family<PipelineLabels, Gauge>,
+    oldest_age: Family<PipelineLabels, Seconds>,
+    dead_letters: Family<PipelineLabels, Gauge>,
+    source_sampled_at: Family<PipelineLabels, Seconds>,
+    outbox_rows: Family<OutboxLabels, Gauge>,
+    outbox_oldest_age: Family<DatabaseLabels, Seconds>,
+    claims: Family<PipelineLabels, Gauge>,
+    claims_oldest_age: Family<PipelineLabels, Seconds>,
+    claims_retention: Family<PipelineLabels, Seconds>,
+}
+
+/// A gauge of seconds (fractions kept).
+type Seconds = Gauge<f64, AtomicU64>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DatabaseLabels {
+    database: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutboxLabels {
+    database: String,
+    state: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -129,8 +159,10 @@ impl Metrics {
             "1 while the pipeline is paused by a configuration fault (see /readyz for the statement and SQLSTATE)",
             pipeline_paused.clone(),
         );
+        let sampled = Sampled::register(&mut registry);
         Metrics {
             registry,
+            sampled,
             pipeline_paused,
             outbox_deliveries,
             claims_deleted,
@@ -252,6 +284,178 @@ impl Metrics {
             tracing::warn!(%error, "Cannot encode metrics.");
         }
         text
+    }
+}
+
+impl Sampled {
+    fn register(registry: &mut Registry) -> Sampled {
+        let mut family = |name: &str, help: &str| {
+            let family = Family::<PipelineLabels, Gauge>::default();
+            registry.register(name, help, family.clone());
+            family
+        };
+        let waiting = family(
+            "source_waiting_messages",
+            "Messages waiting in the pipeline's queue or for its stream consumer, sampled",
+        );
+        let unacknowledged = family(
+            "source_unacknowledged_messages",
+            "Messages delivered to the pipeline and not settled yet (JetStream), sampled",
+        );
+        let dead_letters = family(
+            "dead_letter_messages",
+            "Messages in the pipeline's dead-letter queue or stream, sampled",
+        );
+        let claims = family(
+            "claims",
+            "Claims the pipeline keeps (rows of the claims table), sampled",
+        );
+        let mut seconds = |name: &str, help: &str| {
+            let family = Family::<PipelineLabels, Seconds>::default();
+            registry.register(name, help, family.clone());
+            family
+        };
+        let oldest_age = seconds(
+            "source_oldest_unsettled_age_seconds",
+            "Age of the oldest message of the pipeline not settled yet (JetStream; 0 when none), sampled",
+        );
+        let source_sampled_at = seconds(
+            "source_sampled_timestamp_seconds",
+            "When the pipeline's source last answered the sampler (Unix time)",
+        );
+        let claims_oldest_age = seconds(
+            "claims_oldest_age_seconds",
+            "Age of the pipeline's oldest claim (0 when none), sampled",
+        );
+        let claims_retention = seconds(
+            "claims_retention_seconds",
+            "The pipeline's claim retention window ([pipelines.<name>.retention] window)",
+        );
+        let outbox_rows = Family::<OutboxLabels, Gauge>::default();
+        registry.register(
+            "outbox_rows",
+            "Outbox rows not delivered, by database and state (pending, parked), sampled",
+            outbox_rows.clone(),
+        );
+        let outbox_oldest_age = Family::<DatabaseLabels, Seconds>::default();
+        registry.register(
+            "outbox_oldest_pending_age_seconds",
+            "Age of the database's oldest pending outbox row (0 when none), sampled",
+            outbox_oldest_age.clone(),
+        );
+        Sampled {
+            waiting,
+            unacknowledged,
+            oldest_age,
+            dead_letters,
+            source_sampled_at,
+            outbox_rows,
+            outbox_oldest_age,
+            claims,
+            claims_oldest_age,
+            claims_retention,
+        }
+    }
+}
+
+/// What a pipeline's source held when sampled; `None` where the source cannot tell.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SourceSample {
+    pub waiting: u64,
+    pub unacknowledged: Option<u64>,
+    pub dead_letters: u64,
+    pub oldest_age: Option<Duration>,
+}
+
+/// What a database's outbox held when sampled.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OutboxSample {
+    pub pending: i64,
+    pub parked: i64,
+    pub oldest_pending_age: Duration,
+}
+
+fn gauge_value(count: impl TryInto<i64>) -> i64 {
+    count.try_into().unwrap_or(i64::MAX)
+}
+
+impl Metrics {
+    /// The sampler read `pipeline`'s source.
+    pub fn source_sampled(&self, pipeline: &str, sample: SourceSample) {
+        let labels = pipeline_labels(pipeline);
+        let sampled = &self.sampled;
+        sampled
+            .waiting
+            .get_or_create(&labels)
+            .set(gauge_value(sample.waiting));
+        if let Some(unacknowledged) = sample.unacknowledged {
+            sampled
+                .unacknowledged
+                .get_or_create(&labels)
+                .set(gauge_value(unacknowledged));
+        }
+        sampled
+            .dead_letters
+            .get_or_create(&labels)
+            .set(gauge_value(sample.dead_letters));
+        if let Some(age) = sample.oldest_age {
+            sampled
+                .oldest_age
+                .get_or_create(&labels)
+                .set(age.as_secs_f64());
+        }
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        sampled
+            .source_sampled_at
+            .get_or_create(&labels)
+            .set(now.as_secs_f64());
+    }
+
+    /// The sampler read the outbox of `database` (`default` for `[database]`).
+    pub fn outbox_sampled(&self, database: &str, sample: OutboxSample) {
+        let rows = |state| OutboxLabels {
+            database: database.to_string(),
+            state,
+        };
+        let sampled = &self.sampled;
+        sampled
+            .outbox_rows
+            .get_or_create(&rows("pending"))
+            .set(sample.pending);
+        sampled
+            .outbox_rows
+            .get_or_create(&rows("parked"))
+            .set(sample.parked);
+        sampled
+            .outbox_oldest_age
+            .get_or_create(&DatabaseLabels {
+                database: database.to_string(),
+            })
+            .set(sample.oldest_pending_age.as_secs_f64());
+    }
+
+    /// The sampler counted `pipeline`'s claims: `rows`, the oldest `oldest_age` old, kept
+    /// for `retention`.
+    pub fn claims_sampled(
+        &self,
+        pipeline: &str,
+        rows: i64,
+        oldest_age: Duration,
+        retention: Duration,
+    ) {
+        let labels = pipeline_labels(pipeline);
+        let sampled = &self.sampled;
+        sampled.claims.get_or_create(&labels).set(rows);
+        sampled
+            .claims_oldest_age
+            .get_or_create(&labels)
+            .set(oldest_age.as_secs_f64());
+        sampled
+            .claims_retention
+            .get_or_create(&labels)
+            .set(retention.as_secs_f64());
     }
 }
 

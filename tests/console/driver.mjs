@@ -9,6 +9,13 @@
 //   {"eval": js expression}              -> {"ok": true, "value": …}
 //   {"screenshot": path}                 -> {"ok": true}
 //   {"requests": true}                   -> {"ok": true, "value": [every URL the page fetched]}
+//   {"serve": url, "html": text}         -> {"ok": true}; a later goto(url) gets this page
+//                                           without asking the network (another site's page)
+//
+// Every name under .idem-test resolves to 127.0.0.1: a page "on another site" or "rebound to
+// this address" whose requests reach the host under test. The browser's own guard for requests
+// from public pages to local addresses (Local/Private Network Access) is off, as in a browser
+// that lacks it: the tests check the host's defences, not Chromium's.
 //
 // A failure answers {"ok": false, "error": …}. Page errors are kept and returned by
 // {"errors": true}. The browser closes when stdin ends.
@@ -19,7 +26,8 @@ const executablePath = process.env.CHROMIUM ?? "/usr/bin/chromium";
 const browser = await chromium.launch({
   executablePath,
   args: ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync"],
+    "--disable-component-update", "--disable-sync", "--host-resolver-rules=MAP *.idem-test 127.0.0.1",
+    "--disable-features=LocalNetworkAccessChecks,BlockInsecurePrivateNetworkRequests,PrivateNetworkAccessSendPreflights"],
 });
 const context = await browser.newContext({ viewport: { width: 1400, height: 900 } });
 const page = await context.newPage();
@@ -51,6 +59,10 @@ async function run(command) {
   if (command.eval) return { value: await page.evaluate(command.eval) };
   if (command.screenshot) return void await page.screenshot({ path: command.screenshot, fullPage: true });
   if (command.requests) return { value: requests };
+  if (command.serve) {
+    const html = command.html;
+    return void await context.route(command.serve, (route) => route.fulfill({ status: 200, contentType: "text/html", body: html }));
+  }
   if (command.errors) return { value: errors };
   throw new Error(`unknown command ${JSON.stringify(command)}`);
 }

@@ -138,9 +138,9 @@ fn js(text: &str) -> String {
 }
 
 /// The console in Debian's Chromium against a real host serving two pipelines, with an admin
-/// token: the page loads (and fetches nothing from anywhere else), shows both pipelines
-/// consuming with their plugin digests, and the applied-rate chart moves while orders flow; a
-/// reload is an action, so the page asks for the token, then shows the refused build's reason;
+/// token: the page loads (and fetches nothing from anywhere else), asks for the token (every
+/// read needs it), shows both pipelines consuming with their plugin digests, and the
+/// applied-rate chart moves while orders flow; a reload shows the refused build's reason;
 /// three malformed orders show as one group under their reason, replayed they come back
 /// rejected with the same reason; two dead letters whose cause (a constraint) is then fixed
 /// are replayed from the page and applied once. Each view is written to `target/console/`.
@@ -165,6 +165,7 @@ async fn the_console_in_a_browser() {
     let (chaos_queue, chaos_dead_letters) = env.extra_queues("chaos").await;
     let port = free_port();
     let token = "console-token-0123456789abcdef0123";
+    let bearer = format!("Bearer {token}");
     let text = format!(
         "{}{}{}\n[http]\nlisten = \"127.0.0.1:{port}\"\nadmin_token = \"{token}\"\n",
         env.config_header(),
@@ -207,6 +208,13 @@ async fn the_console_in_a_browser() {
     let load_ms = browser.goto(&url).await;
     eprintln!("console: page loaded in {load_ms} ms");
     assert!(load_ms < 3_000, "the page took {load_ms} ms to load");
+    // Every read needs the token once one is set: the page asks for it first, once.
+    browser
+        .wait("document.querySelector('#token-dialog').open", 10)
+        .await;
+    browser.screenshot("token").await;
+    browser.fill("#token-input", token).await;
+    browser.click("#token-ok").await;
     browser
         .wait(
             "[...document.querySelectorAll('#pipeline-table tbody tr')].map(row => row.dataset.state).join() === 'consuming,consuming'",
@@ -260,17 +268,11 @@ async fn the_console_in_a_browser() {
         .collect();
     assert!(foreign.is_empty(), "the page fetched {foreign:?}");
 
-    // A reload is an action: the page asks for the token, then shows why the build is refused.
+    // A reload, with the token the page was given: it shows why the build is refused.
     std::fs::write(&slot, b"\0asm this is not a component").expect("break the plugin");
     browser
         .click("tr[data-pipeline=\"loyalty\"] button.reload")
         .await;
-    browser
-        .wait("document.querySelector('#token-dialog').open", 10)
-        .await;
-    browser.screenshot("token").await;
-    browser.fill("#token-input", token).await;
-    browser.click("#token-ok").await;
     let refused = browser
         .wait(
             "document.querySelector('#notice').textContent.includes('reload refused') && document.querySelector('#notice').textContent",
@@ -344,7 +346,14 @@ async fn the_console_in_a_browser() {
         "the three back, rejected again",
         Duration::from_secs(60),
         || async {
-            let (_, body) = http_send(port, "GET", "/admin/dead-letters/loyalty", &[], None).await;
+            let (_, body) = http_send(
+                port,
+                "POST",
+                "/admin/dead-letters/loyalty/list",
+                &[("Authorization", bearer.as_str())],
+                Some("{}"),
+            )
+            .await;
             let listed: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
             listed["letters"].as_array().is_some_and(|letters| {
                 letters.len() == 3
@@ -400,5 +409,135 @@ async fn the_console_in_a_browser() {
         600
     );
     let _ = std::fs::remove_dir_all(&directory);
+    env.cleanup().await;
+}
+
+/// Another site's page against a host without an admin token (the worst case), in Chromium:
+/// an `<img>` at the dead-letter reads, forms posting a reload and a replay, `fetch`es of the
+/// status and of a replay. Then a page whose name was rebound to the host's address (DNS
+/// rebinding: same origin as far as the browser knows) reads and replays with plain
+/// same-origin requests. The host answers neither: nothing is reloaded or replayed, the page
+/// reads nothing, and no dead letter was even taken and given back (the broker redelivered
+/// none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_pages_read_and_change_nothing() {
+    let env = TestEnv::new("console_hostile").await;
+    let port = free_port();
+    let text = format!(
+        "{}\n[http]\nlisten = \"127.0.0.1:{port}\"\n",
+        env.config_text("chaos", "max_attempts = 1")
+    );
+    let config =
+        Config::from_toml(Path::new("/tmp/idem-console-hostile.toml"), &text).expect("config");
+    let host = env.start_host(config);
+    for _ in 0..3 {
+        env.publish(br#"{"action": "invalid"}"#).await;
+    }
+    wait_for("three dead letters", Duration::from_secs(60), || async {
+        env.ready(&env.dead_letter_queue).await == 3
+    })
+    .await;
+    let host_url = format!("http://127.0.0.1:{port}");
+    // Each attempt's outcome as the page sees it: a status it could read, "opaque" (sent, the
+    // answer unreadable) or "blocked" (the browser refused to send or to show it).
+    let attempts = r#"
+window.results = {};
+async function attempt(name, request) {
+  try { const response = await request; window.results[name] = response.type === "opaque" ? "opaque" : String(response.status); }
+  catch { window.results[name] = "blocked"; }
+}
+const json = (body) => ({ method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+const plain = (body) => ({ method: "POST", mode: "no-cors", headers: { "Content-Type": "text/plain" }, body: JSON.stringify(body) });
+"#;
+    let cross_site = format!(
+        r#"<!doctype html><title>another site</title>
+<iframe name="one"></iframe><iframe name="two"></iframe>
+<img src="{host_url}/admin/dead-letters/loyalty/list"><img src="{host_url}/admin/dead-letters/loyalty">
+<form id="reload" method="POST" action="{host_url}/admin/reload/loyalty" target="one"></form>
+<form id="replay" method="POST" action="{host_url}/admin/dead-letters/loyalty/replay" enctype="text/plain" target="two"><input name='{{"kind": "invalid-input", "x": "' value='"}}'></form>
+<script>{attempts}
+(async () => {{
+  document.getElementById("reload").submit();
+  document.getElementById("replay").submit();
+  await attempt("status", fetch("{host_url}/admin/status"));
+  await attempt("list", fetch("{host_url}/admin/dead-letters/loyalty/list", plain({{}})));
+  await attempt("replay", fetch("{host_url}/admin/dead-letters/loyalty/replay", plain({{ kind: "invalid-input" }})));
+  await attempt("replay-json", fetch("{host_url}/admin/dead-letters/loyalty/replay", json({{ kind: "invalid-input" }})));
+  window.done = true;
+}})();
+</script>"#
+    );
+    let rebound = format!(
+        r#"<!doctype html><title>rebound</title>
+<script>{attempts}
+(async () => {{
+  await attempt("status", fetch("/admin/status"));
+  await attempt("list", fetch("/admin/dead-letters/loyalty/list", json({{}})));
+  await attempt("reload", fetch("/admin/reload/loyalty", {{ method: "POST" }}));
+  await attempt("replay", fetch("/admin/dead-letters/loyalty/replay", json({{ kind: "invalid-input" }})));
+  window.done = true;
+}})();
+</script>"#
+    );
+    let mut browser = Browser::start().await;
+    let hostile_url = "http://hostile.idem-test/";
+    browser.serve(hostile_url, &cross_site).await;
+    browser.goto(hostile_url).await;
+    let seen = browser.wait("window.done && window.results", 20).await;
+    eprintln!("console: another site's page saw {seen}");
+    assert_eq!(seen["status"], "blocked", "{seen}");
+    for readable in ["list", "replay", "replay-json"] {
+        assert!(
+            matches!(seen[readable].as_str(), Some("opaque" | "blocked")),
+            "another site's page read the answer to {readable}: {seen}"
+        );
+    }
+    let rebound_url = format!("http://rebound.idem-test:{port}/");
+    browser.serve(&rebound_url, &rebound).await;
+    browser.goto(&rebound_url).await;
+    let seen = browser.wait("window.done && window.results", 20).await;
+    eprintln!("console: a rebound page saw {seen}");
+    for request in ["status", "list", "reload", "replay"] {
+        assert_eq!(seen[request], "421", "{request}: {seen}");
+    }
+    // The forms had time to land.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    browser.close().await;
+
+    let (status, body) = get(port, "/admin/status").await;
+    assert_eq!(status, 200, "{body}");
+    let pipelines: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert!(
+        pipelines["pipelines"][0]["last_reload_at"].is_null(),
+        "a reload was attempted: {pipelines}"
+    );
+    assert_eq!(
+        env.ready(&env.dead_letter_queue).await,
+        3,
+        "a dead letter moved"
+    );
+    for _ in 0..3 {
+        let got = env
+            .channel
+            .basic_get(
+                env.dead_letter_queue.as_str().into(),
+                lapin::options::BasicGetOptions { no_ack: true },
+            )
+            .await
+            .expect("basic.get")
+            .expect("a dead letter");
+        assert!(
+            !got.delivery.redelivered,
+            "a dead letter was taken and given back"
+        );
+        let replayed = got
+            .delivery
+            .properties
+            .headers()
+            .as_ref()
+            .is_some_and(|headers| headers.inner().contains_key("x-idem-replays"));
+        assert!(!replayed, "a dead letter was replayed");
+    }
+    host.stop().await.expect("host stops");
     env.cleanup().await;
 }

@@ -194,7 +194,12 @@ async fn broken_builds_are_refused_and_the_old_build_keeps_serving() {
     .await;
 
     let (status, _) = http_request(port, "GET", "/admin/status", None).await;
-    assert_eq!(status, 200, "reads need no token on a loopback listener");
+    assert_eq!(
+        status, 401,
+        "once a token is set, reads need it (loopback too)"
+    );
+    let (status, _) = http_request(port, "GET", "/admin/status", Some(token)).await;
+    assert_eq!(status, 200);
     let (status, _) = http_request(port, "POST", "/admin/reload/loyalty", None).await;
     assert_eq!(status, 401, "an action must require the token");
 

@@ -425,6 +425,8 @@ fn idem_command(command: &str, path: &Path) -> (bool, String) {
     let output = std::process::Command::new(idem_e2e::idem_binary())
         .args([command, "--config"])
         .arg(path)
+        // The commands' own log level, not the test runner's.
+        .env_remove("RUST_LOG")
         .output()
         .expect("run idem");
     (
@@ -489,6 +491,30 @@ async fn check_and_status_look_at_the_stream_and_its_consumer() {
         output.contains("1 messages, 0 not delivered, 0 unacknowledged"),
         "{output}"
     );
+    // A report and nothing else: not the NATS client's "connected" lines.
+    let (_, checked) = idem_command("check", &plain);
+    for report in [&output, &checked] {
+        assert!(
+            !report.contains("INFO") && !report.contains("connected"),
+            "{report}"
+        );
+    }
+    // Credentials in a server's URL are never printed.
+    let secret = std::env::temp_dir().join(format!("{}-secret.toml", env.database));
+    let text = std::fs::read_to_string(&plain).expect("config");
+    let url = &stream.url;
+    assert!(text.contains(url.as_str()), "{text}");
+    std::fs::write(
+        &secret,
+        text.replace(url.as_str(), "nats://watcher:s3cr3t-pass@127.0.0.1:9"),
+    )
+    .expect("write config");
+    for command in ["check", "status"] {
+        let (_, output) = idem_command(command, &secret);
+        assert!(output.contains("127.0.0.1:9"), "{output}");
+        assert!(!output.contains("s3cr3t-pass"), "{command}: {output}");
+    }
+    let _ = std::fs::remove_file(secret);
     let other_wait = write(", ack_wait = \"7s\"");
     let (ok, output) = idem_command("check", &other_wait);
     assert!(!ok, "{output}");
@@ -845,14 +871,30 @@ async fn tries_are_the_plugins_and_the_last_delivery_is_dead_lettered() {
     })
     .await;
     host.stop().await.expect("host stops cleanly");
-    stream
-        .publish(br#"{"action": "retry"}"#, Some("retry-1"))
-        .await;
     let consumer: PullConsumer = stream
         .context
         .get_consumer_from_stream("idem-loyalty", &stream.name)
         .await
         .expect("the durable consumer");
+    // A pull request the stopped host left on a busy server would take the message unseen
+    // (a delivery nobody settles until ack_wait): publish once none waits.
+    wait_for(
+        "the host's pull requests gone",
+        Duration::from_secs(30),
+        || {
+            let mut consumer = consumer.clone();
+            async move {
+                consumer
+                    .info()
+                    .await
+                    .is_ok_and(|info| info.num_waiting == 0)
+            }
+        },
+    )
+    .await;
+    stream
+        .publish(br#"{"action": "retry"}"#, Some("retry-1"))
+        .await;
     for _ in 0..2 {
         let mut batch = consumer
             .fetch()

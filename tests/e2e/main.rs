@@ -1,5 +1,6 @@
 //! End-to-end tests against real PostgreSQL and RabbitMQ (start them with scripts/services.sh).
 
+mod alerting;
 mod batching;
 mod broker;
 mod claims;

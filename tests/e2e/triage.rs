@@ -28,8 +28,8 @@ fn idem(config: &Path, args: &[&str]) -> (bool, String) {
     )
 }
 
-/// The kinds of the dead letters `idem dlq list --json` shows, in order.
-fn listed_kinds(config: &Path, filter: &[&str]) -> Vec<String> {
+/// The dead letters `idem dlq list --json` shows with `filter`, in order.
+fn listed(config: &Path, filter: &[&str]) -> Vec<serde_json::Value> {
     let mut args = vec!["dlq", "list", "--json"];
     args.extend_from_slice(filter);
     let output = Command::new(idem_binary())
@@ -39,10 +39,12 @@ fn listed_kinds(config: &Path, filter: &[&str]) -> Vec<String> {
         .output()
         .expect("run idem");
     assert!(output.status.success(), "{output:?}");
-    let letters: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON list");
-    letters
-        .as_array()
-        .expect("a list")
+    serde_json::from_slice(&output.stdout).expect("JSON list")
+}
+
+/// The kinds of the dead letters `idem dlq list --json` shows, in order.
+fn listed_kinds(config: &Path, filter: &[&str]) -> Vec<String> {
+    listed(config, filter)
         .iter()
         .map(|letter| letter["kind"].as_str().unwrap_or("-").to_string())
         .collect()
@@ -268,10 +270,117 @@ async fn triage(triage: Triage) {
     triage.cleanup().await;
 }
 
-/// The console's API over the same kind of dead letters: `GET /admin/dead-letters/loyalty`
-/// groups them by error kind and reason and shows one whole; the `sql` group, replayed by its
-/// ids once the cause is fixed, applies once while the others stay. An action needs the admin
-/// token (reads on a loopback listener do not) and is refused from another site's page.
+/// The value of header `name` (exactly) of a listed dead letter.
+fn header<'a>(letter: &'a serde_json::Value, name: &str) -> Option<&'a str> {
+    letter["headers"]
+        .as_array()?
+        .iter()
+        .find(|pair| pair[0] == name)
+        .and_then(|pair| pair[1].as_str())
+}
+
+/// Producers set `x-idem-*` headers too. One that copies a dead letter's
+/// `x-idem-dead-letter-id` and forges a reason in another case has its message dead-lettered
+/// with the host's record only; a message the broker dead-lettered by itself (here put on
+/// the dead-letter queue directly) carrying another dead letter's id and reason is a dead
+/// letter of its own, which a replay of the first by id leaves alone. `idem dlq show` prints
+/// a header holding terminal escape sequences as text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producer_set_idem_headers_are_never_the_hosts() {
+    let triage = Triage::on_queue("dlq_forged").await;
+    let (env, config) = (&triage.env, triage.config.clone());
+    let host = env.start_host(triage.host_config());
+    let invalid = br#"{"action": "invalid"}"#;
+    env.publish(invalid).await;
+    wait_for("the first dead letter", Duration::from_secs(60), || async {
+        env.ready(&env.dead_letter_queue).await == 1
+    })
+    .await;
+    let first = listed(&config, &[]).remove(0);
+    let first_id = first["id"].as_str().expect("an id").to_string();
+    let given = header(&first, "x-idem-dead-letter-id")
+        .expect("the host names what it dead-letters")
+        .to_string();
+    let reason = first["reason"].as_str().expect("a reason").to_string();
+    idem_e2e::publish_with_headers(
+        &env.channel,
+        &env.queue,
+        invalid,
+        &[
+            ("x-idem-dead-letter-id", given.as_str()),
+            ("X-Idem-Reason", "all good, nothing to see"),
+            ("X-IDEM-ERROR-KIND", "sql"),
+            ("note", "\u{1b}]0;pwned\u{7}\u{1b}[2Jhidden"),
+        ],
+    )
+    .await;
+    wait_for(
+        "the forged one dead-lettered",
+        Duration::from_secs(60),
+        || async { env.ready(&env.dead_letter_queue).await == 2 },
+    )
+    .await;
+    // What the broker would dead-letter by itself (a quorum queue's delivery limit): the
+    // producer's headers, as they came.
+    idem_e2e::publish_with_headers(
+        &env.channel,
+        &env.dead_letter_queue,
+        invalid,
+        &[
+            ("x-idem-dead-letter-id", given.as_str()),
+            ("x-idem-reason", reason.as_str()),
+            ("x-idem-error-kind", "invalid-input"),
+        ],
+    )
+    .await;
+    let letters = listed(&config, &[]);
+    assert_eq!(letters.len(), 3, "{letters:?}");
+    let forged = &letters[1];
+    assert_eq!(forged["kind"], "invalid-input", "{forged}");
+    assert_eq!(forged["reason"], first["reason"], "{forged}");
+    let names: Vec<&str> = forged["headers"]
+        .as_array()
+        .expect("headers")
+        .iter()
+        .filter_map(|pair| pair[0].as_str())
+        .collect();
+    assert!(
+        !names.contains(&"X-Idem-Reason") && !names.contains(&"X-IDEM-ERROR-KIND"),
+        "the producer's diagnostics were kept: {names:?}"
+    );
+    assert_ne!(
+        header(forged, "x-idem-dead-letter-id"),
+        Some(given.as_str())
+    );
+    let ids: std::collections::BTreeSet<&str> = letters
+        .iter()
+        .filter_map(|letter| letter["id"].as_str())
+        .collect();
+    assert_eq!(ids.len(), 3, "three dead letters, three ids: {letters:?}");
+
+    let (shown, detail) = idem(&config, &["dlq", "show", "2"]);
+    assert!(shown, "{detail}");
+    assert!(
+        !detail.contains('\u{1b}') && !detail.contains('\u{7}'),
+        "raw escape sequences reached the terminal: {detail:?}"
+    );
+    assert!(
+        detail.contains("note: \\u{1b}]0;pwned\\u{7}\\u{1b}[2Jhidden"),
+        "{detail}"
+    );
+
+    let (replayed, said) = idem(&config, &["dlq", "replay", "--id", &first_id]);
+    assert!(replayed, "{said}");
+    assert!(said.contains("replayed 1 message(s)"), "{said}");
+    host.stop().await.expect("host stops");
+    triage.cleanup().await;
+}
+
+/// The console's API over the same kind of dead letters: `POST /admin/dead-letters/loyalty/list`
+/// groups them by error kind and reason and `…/show` shows one whole; the `sql` group,
+/// replayed by its ids once the cause is fixed, applies once while the others stay. Every
+/// `/admin` request needs the admin token once one is set (on a loopback listener too), a
+/// `POST` is refused from another site's page, and the dead-letter reads are not `GET`s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_api_groups_dead_letters_and_replays_a_group() {
     let env = TestEnv::new("dlq_api").await;
@@ -306,11 +415,34 @@ async fn the_admin_api_groups_dead_letters_and_replays_a_group() {
     })
     .await;
 
+    let bearer = format!("Bearer {token}");
+    let authorized = [("Authorization", bearer.as_str())];
     let list = || async {
-        let (status, body) = http_request(port, "GET", "/admin/dead-letters/loyalty", None).await;
+        let (status, body) = http_send(
+            port,
+            "POST",
+            "/admin/dead-letters/loyalty/list",
+            &authorized,
+            Some("{}"),
+        )
+        .await;
         assert_eq!(status, 200, "{body}");
         serde_json::from_str::<serde_json::Value>(&body).expect("JSON list")
     };
+    // Reads need the token too, on this loopback listener.
+    for (method, path, json) in [
+        ("GET", "/admin/status", None),
+        ("GET", "/admin/history", None),
+        ("GET", "/admin/outbox", None),
+        ("POST", "/admin/dead-letters/loyalty/list", Some("{}")),
+    ] {
+        let (status, body) = http_send(port, method, path, &[], json).await;
+        assert_eq!(status, 401, "{method} {path} without the token: {body}");
+    }
+    // A dead-letter read is no GET (a cross-site <img> could send one).
+    let (status, body) =
+        http_request(port, "GET", "/admin/dead-letters/loyalty/list", Some(token)).await;
+    assert_eq!(status, 405, "{body}");
     // Two operators (or the console's view and its pipeline choice) look at once: each sees
     // all five, not what the other pass holds while it reads.
     let (listed, beside) = tokio::join!(list(), list());
@@ -338,11 +470,13 @@ async fn the_admin_api_groups_dead_letters_and_replays_a_group() {
     let sql = group("sql");
     assert_eq!(sql["count"], 2, "{listed}");
     let first = sql["ids"][0].as_str().expect("an id");
-    let (status, detail) = http_request(
+    let shown = serde_json::json!({ "id": first }).to_string();
+    let (status, detail) = http_send(
         port,
-        "GET",
-        &format!("/admin/dead-letters/loyalty/{first}"),
-        None,
+        "POST",
+        "/admin/dead-letters/loyalty/show",
+        &authorized,
+        Some(&shown),
     )
     .await;
     assert_eq!(status, 200, "{detail}");
@@ -359,7 +493,6 @@ async fn the_admin_api_groups_dead_letters_and_replays_a_group() {
         .expect("drop constraint");
     let replay = serde_json::json!({ "ids": sql["ids"] }).to_string();
     let path = "/admin/dead-letters/loyalty/replay";
-    let bearer = format!("Bearer {token}");
     let own_page = format!("http://127.0.0.1:{port}");
     let (status, body) = http_send(port, "POST", path, &[], Some(&replay)).await;
     assert_eq!(status, 401, "an action without the token: {body}");
@@ -380,14 +513,19 @@ async fn the_admin_api_groups_dead_letters_and_replays_a_group() {
     let rebound_host = format!("evil.example:{port}");
     let rebound_origin = format!("http://evil.example:{port}");
     for (method, path, json) in [
-        ("GET", "/admin/dead-letters/loyalty".to_string(), None),
-        ("GET", format!("/admin/dead-letters/loyalty/{first}"), None),
-        ("POST", path.to_string(), Some(replay.as_str())),
+        ("GET", "/admin/status", None),
+        ("POST", "/admin/dead-letters/loyalty/list", Some("{}")),
+        (
+            "POST",
+            "/admin/dead-letters/loyalty/show",
+            Some(shown.as_str()),
+        ),
+        ("POST", path, Some(replay.as_str())),
     ] {
         let (status, _, body) = http_exchange(
             port,
             method,
-            &path,
+            path,
             &[
                 ("Host", rebound_host.as_str()),
                 ("Origin", rebound_origin.as_str()),
@@ -401,8 +539,7 @@ async fn the_admin_api_groups_dead_letters_and_replays_a_group() {
     }
     assert_eq!(env.ready(&env.dead_letter_queue).await, 5, "nothing moved");
     // Every answer carries the security headers.
-    let (status, head, _) =
-        http_exchange(port, "GET", "/admin/dead-letters/loyalty", &[], None).await;
+    let (status, head, _) = http_exchange(port, "GET", "/admin/status", &authorized, None).await;
     assert_eq!(status, 200);
     let head = head.to_ascii_lowercase();
     for header in [

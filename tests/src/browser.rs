@@ -67,6 +67,12 @@ impl Browser {
         answer
     }
 
+    /// Makes a later [`Browser::goto`] to `url` load `html`, as if another site served it;
+    /// the page's own requests go to the network (`*.idem-test` names are 127.0.0.1).
+    pub async fn serve(&mut self, url: &str, html: &str) {
+        self.send(json!({ "serve": url, "html": html })).await;
+    }
+
     /// Loads `url`; milliseconds to the page's load event.
     pub async fn goto(&mut self, url: &str) -> u64 {
         self.send(json!({ "goto": url })).await["ms"]

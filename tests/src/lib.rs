@@ -806,15 +806,36 @@ pub async fn try_connect_channel_to(url: &str) -> Result<(Connection, Channel), 
 }
 
 pub async fn publish(channel: &Channel, queue: &str, body: &[u8]) {
+    publish_with_headers(channel, queue, body, &[]).await;
+}
+
+/// [`publish`] with text `headers`, as a producer sets them.
+pub async fn publish_with_headers(
+    channel: &Channel,
+    queue: &str,
+    body: &[u8],
+    headers: &[(&str, &str)],
+) {
+    let mut properties = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type(ShortString::from("application/json"));
+    if !headers.is_empty() {
+        let mut table = FieldTable::default();
+        for (name, value) in headers {
+            table.insert(
+                ShortString::from(*name),
+                lapin::types::AMQPValue::LongString((*value).into()),
+            );
+        }
+        properties = properties.with_headers(table);
+    }
     let confirm = channel
         .basic_publish(
             ShortString::from(""),
             ShortString::from(queue),
             BasicPublishOptions::default(),
             body,
-            BasicProperties::default()
-                .with_delivery_mode(2)
-                .with_content_type(ShortString::from("application/json")),
+            properties,
         )
         .await
         .expect("publish")

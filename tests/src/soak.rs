@@ -673,11 +673,12 @@ async fn inject(
             let port = hosts[target].http_port;
             let read = tokio::time::timeout(
                 Duration::from_secs(10),
-                tokio::spawn(crate::http_request(
+                tokio::spawn(crate::http_send(
                     port,
-                    "GET",
-                    "/admin/dead-letters/loyalty",
-                    None,
+                    "POST",
+                    "/admin/dead-letters/loyalty/list",
+                    &[],
+                    Some("{}"),
                 )),
             )
             .await;

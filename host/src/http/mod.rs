@@ -6,11 +6,13 @@
 //! Access: a request addressed (its `Host`) to a name this endpoint does not answer to is
 //! refused on every route, so a page whose domain was rebound to this address reads and does
 //! nothing (IP addresses, `localhost` and `[http] hosts` are answered). When an admin token is
-//! configured, every action (a `POST`) requires `Authorization: Bearer <token>`, and so does
-//! every read when the listener is not a loopback address (the config refuses such an address
-//! without a token). An action that a
-//! browser sends from another site (its `Origin` is not this host) is refused, token or not;
-//! nothing changes state on a `GET`. Every answer carries the security headers.
+//! configured, every `/admin` request requires `Authorization: Bearer <token>`, reads too and
+//! on a loopback listener too (the config refuses a non-loopback address without a token). A
+//! `POST` that a browser sends from another site (its `Origin` is not this host) is refused,
+//! token or not. Nothing changes state on a `GET`: reading a RabbitMQ dead-letter queue takes
+//! its messages and gives them back, so the dead-letter reads are `POST`s with a JSON body,
+//! which no cross-site `<img>`, link or form can send. Every answer carries the security
+//! headers.
 
 mod console;
 mod history;
@@ -34,6 +36,7 @@ use crate::config::HttpConfig;
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use crate::reload::{self, Reloaded};
+use crate::sampler;
 use crate::store::database::Databases;
 
 #[derive(Clone)]
@@ -43,8 +46,6 @@ struct AppState {
     /// Every database of the config, for the outbox and readiness.
     databases: Databases,
     admin_token: Option<Arc<str>>,
-    /// Whether the listener is a loopback address: reads need no token there.
-    loopback: bool,
     /// `[http] hosts`: the names requests may be addressed to besides IPs and `localhost`.
     hosts: Arc<[String]>,
     history: Arc<history::History>,
@@ -90,10 +91,16 @@ pub async fn serve(
             source,
         })?;
     let pipelines = Arc::new(pipelines);
-    let history = history::History::spawn(
+    let sampled = sampler::spawn(
         Arc::clone(&pipelines),
         Arc::clone(&metrics),
         databases.clone(),
+        shutdown.clone(),
+    );
+    let history = history::History::spawn(
+        Arc::clone(&pipelines),
+        Arc::clone(&metrics),
+        sampled,
         shutdown.clone(),
     );
     let state = AppState {
@@ -102,7 +109,6 @@ pub async fn serve(
         databases,
         history,
         admin_token: config.admin_token.as_deref().map(Arc::from),
-        loopback: config.listen.ip().is_loopback(),
         hosts: Arc::from(config.hosts.as_slice()),
     };
     let reads = Router::new()
@@ -111,11 +117,11 @@ pub async fn serve(
             "/admin/history",
             get(|State(state): State<AppState>| async move { Json(state.history.json()) }),
         )
-        .route("/admin/dead-letters/{pipeline}", get(triage::list))
-        .route("/admin/dead-letters/{pipeline}/{id}", get(triage::show))
         .route("/admin/outbox", get(triage::outbox_rows))
         .route_layer(middleware::from_fn_with_state(state.clone(), guard_read));
     let actions = Router::new()
+        .route("/admin/dead-letters/{pipeline}/list", post(triage::list))
+        .route("/admin/dead-letters/{pipeline}/show", post(triage::show))
         .route("/admin/reload/{pipeline}", post(reload_pipeline))
         .route(
             "/admin/dead-letters/{pipeline}/replay",
@@ -212,16 +218,16 @@ async fn security_headers(request: Request, next: Next) -> Response {
     response
 }
 
-/// A read: the token when one is set and the listener is not loopback.
+/// A read: the token when one is set.
 async fn guard_read(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if !state.loopback && !token_presented(&state, &request) {
+    if !token_presented(&state, &request) {
         return token_required();
     }
     next.run(request).await
 }
 
-/// An action: from this host's own pages or a non-browser client, with the token when one is
-/// set.
+/// A `POST` (an action, or a read that touches the broker): from this host's own pages or a
+/// non-browser client, with the token when one is set.
 async fn guard_action(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if !same_origin(&request) {
         return (

@@ -49,12 +49,13 @@ impl Filter {
     }
 }
 
-/// `GET /admin/dead-letters/{pipeline}?kind=&reason=&since_seconds=&limit=`: the dead letters
-/// oldest first (body previews), and their groups by error kind and reason.
+/// `POST /admin/dead-letters/{pipeline}/list` with a JSON filter (`kind`, `reason`,
+/// `since_seconds`, `ids`, `limit`; `{}` for all): the dead letters oldest first (body
+/// previews), and their groups by error kind and reason.
 pub(super) async fn list(
     State(state): State<AppState>,
     Path(name): Path<String>,
-    Query(filter): Query<Filter>,
+    Json(filter): Json<Filter>,
 ) -> Result<Answer, Answer> {
     let pipeline = &state.pipeline(&name)?.config;
     let limit = filter.limit.unwrap_or(LIST_LIMIT).min(LIST_LIMIT);
@@ -94,10 +95,19 @@ pub(super) async fn list(
     ))
 }
 
-/// `GET /admin/dead-letters/{pipeline}/{id}`: one dead letter whole, headers and body.
+/// Which dead letter `show` shows.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Shown {
+    id: String,
+}
+
+/// `POST /admin/dead-letters/{pipeline}/show` with `{"id": …}`: one dead letter whole,
+/// headers and body.
 pub(super) async fn show(
     State(state): State<AppState>,
-    Path((name, id)): Path<(String, String)>,
+    Path(name): Path<String>,
+    Json(Shown { id }): Json<Shown>,
 ) -> Result<Answer, Answer> {
     let pipeline = &state.pipeline(&name)?.config;
     let selection = Selection {

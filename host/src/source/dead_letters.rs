@@ -45,7 +45,7 @@ pub struct DeadLetter {
     /// 1 for the pipeline's oldest dead letter when the pass began.
     pub position: u64,
     /// What names this dead letter from one pass to the next, while positions may shift: its
-    /// sequence in the dead-letter stream, or on a queue the random id the host gave it.
+    /// sequence in the dead-letter stream, or on a queue a digest of all it holds.
     pub id: String,
     /// The delivery as the plugin saw it, with every header (the `x-idem-*` ones included).
     pub message: InboundMessage,
@@ -62,11 +62,12 @@ impl DeadLetter {
     /// The dead letter at `position`, named `id`, holding `message`, with what the host
     /// recorded in its headers when it dead-lettered it.
     pub(super) fn recorded(position: u64, id: String, message: InboundMessage) -> DeadLetter {
+        // By its exact name: a producer's `X-Idem-Reason` is not the host's.
         let header = |name: &str| {
             message
                 .headers
                 .iter()
-                .find(|(key, _)| key.eq_ignore_ascii_case(name))
+                .find(|(key, _)| key == name)
                 .map(|(_, value)| value.clone())
         };
         let number = |name: &str| header(name).and_then(|text| text.trim().parse::<u64>().ok());

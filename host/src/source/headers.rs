@@ -1,5 +1,11 @@
 //! Every header the host writes on a message it sets aside or sends again (`x-idem-*`), on
 //! either source, what counts as one, and the text a reason header holds.
+//!
+//! A producer can set `x-idem-*` headers too, and the broker can dead-letter its message
+//! without the host (a quorum queue's delivery limit). So nothing of a dead letter's identity
+//! rests on them (a RabbitMQ dead letter is named by a digest of all it holds), a copy the
+//! host dead-letters keeps none of a producer's diagnostics ([`is_kept_on_a_dead_letter`]),
+//! and the host reads its headers by their exact names only.
 
 /// The prefix of the headers the host writes.
 pub const PREFIX: &str = "x-idem-";
@@ -37,6 +43,18 @@ pub const STREAM_SEQUENCE: &str = "x-idem-stream-sequence";
 pub fn is_diagnostic(name: &str) -> bool {
     name.get(..PREFIX.len())
         .is_some_and(|prefix| prefix.eq_ignore_ascii_case(PREFIX))
+}
+
+/// What the host records of a message's history and its copies carry on: its attempt, its
+/// replays, the producer's message id (JetStream) and the properties a copy could not keep
+/// (RabbitMQ). A producer that sets one changes only its own message's count.
+const CARRIED: [&str; 5] = [ATTEMPT, REPLAYS, MESSAGE_ID, EXPIRATION, USER_ID];
+
+/// Whether a dead letter the host makes of a message keeps its header `name`: every header
+/// but the `x-idem-*` ones (in any case) that are not [`CARRIED`], so what it records of the
+/// failure is only its own.
+pub fn is_kept_on_a_dead_letter(name: &str) -> bool {
+    !is_diagnostic(name) || CARRIED.contains(&name)
 }
 
 /// Longest reason kept in a header, in bytes.

@@ -46,6 +46,31 @@ pub struct Depths {
     /// Messages kept aside (the dead-letter queue, or the dead-letter stream: every pipeline's
     /// that share it). `None` when it does not exist yet.
     pub dead_letters: Option<u64>,
+    /// How long the oldest message not yet settled has been stored (JetStream only: RabbitMQ
+    /// does not say); zero when none waits.
+    pub oldest_age: Option<Duration>,
+}
+
+/// A pipeline's source asked for its depths again and again (the sampled gauges) over one
+/// kept connection, opened on first use and again after a failure.
+#[derive(Default)]
+pub struct DepthProbe {
+    rabbitmq: Option<lapin::Connection>,
+    jetstream: Option<async_nats::Client>,
+}
+
+impl DepthProbe {
+    /// What `pipeline`'s source holds now.
+    pub async fn depths(&mut self, pipeline: &PipelineConfig) -> Result<Depths, SourceError> {
+        match &pipeline.source {
+            SourceConfig::RabbitMq(source) => {
+                Ok(rabbitmq::depths(&mut self.rabbitmq, source).await?)
+            }
+            SourceConfig::JetStream(source) => {
+                Ok(jetstream::depths(&mut self.jetstream, source).await?)
+            }
+        }
+    }
 }
 
 /// Something done with a pipeline's [`Source`] whatever its kind: [`for_kind`] calls `run`
@@ -129,14 +154,6 @@ pub fn published_attributes(kind: &str, subject: &str) -> Vec<(String, String)> 
     match kind {
         SourceConfig::RABBITMQ => rabbitmq::published_attributes(subject),
         _ => Vec::new(),
-    }
-}
-
-/// Looks up `pipeline`'s depths with a connection of its own.
-pub async fn depths(pipeline: &PipelineConfig) -> Result<Depths, SourceError> {
-    match &pipeline.source {
-        SourceConfig::RabbitMq(source) => Ok(rabbitmq::depths(source).await?),
-        SourceConfig::JetStream(source) => Ok(jetstream::depths(source).await?),
     }
 }
 

@@ -243,6 +243,31 @@ pub async fn backlog(pool: &PgPool, tables: &Tables) -> Result<Backlog, sqlx::Er
     })
 }
 
+/// The outbox's rows not delivered and its oldest pending one's age, for the sampled gauges:
+/// the pending rows through their partial index, the parked ones (few) by a scan.
+pub async fn undelivered_sample(
+    pool: &PgPool,
+    tables: &Tables,
+) -> Result<crate::metrics::OutboxSample, sqlx::Error> {
+    let (pending, parked, oldest): (i64, i64, Option<f64>) =
+        bookkeeping::in_transaction(pool, async |connection| {
+            bookkeeping::query_as(&tables.sql(
+                "SELECT (SELECT count(*) FROM {outbox} WHERE delivered_at IS NULL AND parked_at IS NULL), \
+                        (SELECT count(*) FROM {outbox} WHERE parked_at IS NOT NULL), \
+                        (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM {outbox} \
+                          WHERE delivered_at IS NULL AND parked_at IS NULL)",
+            ))
+            .fetch_one(connection)
+            .await
+        })
+        .await?;
+    Ok(crate::metrics::OutboxSample {
+        pending,
+        parked,
+        oldest_pending_age: Duration::from_secs_f64(oldest.unwrap_or(0.0).max(0.0)),
+    })
+}
+
 /// An undelivered outbox row, for `idem outbox list`.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Undelivered {

@@ -31,6 +31,37 @@ const DELETE_BATCH_SQL: &str = "DELETE FROM {claims} \
                     WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) \
                     LIMIT $3)";
 
+/// A consumer's claims: how many, and how long ago the oldest was made (`None`: none).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClaimsSummary {
+    pub rows: i64,
+    pub oldest_age: Option<std::time::Duration>,
+}
+
+/// Counts `consumer`'s claims (its range of the primary key) and finds its oldest, for
+/// `idem status` and the sampled gauges.
+pub async fn claims_summary(
+    pool: &PgPool,
+    tables: &Tables,
+    consumer: &str,
+) -> Result<ClaimsSummary, sqlx::Error> {
+    let (rows, oldest): (i64, Option<f64>) =
+        bookkeeping::in_transaction(pool, async |connection| {
+            bookkeeping::query_as(&tables.sql(
+                "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
+                 FROM {claims} WHERE consumer = $1",
+            ))
+            .bind(consumer)
+            .fetch_one(connection)
+            .await
+        })
+        .await?;
+    Ok(ClaimsSummary {
+        rows,
+        oldest_age: oldest.map(|seconds| std::time::Duration::from_secs_f64(seconds.max(0.0))),
+    })
+}
+
 /// Records the retention window of every pipeline's consumer (see `record_windows`).
 pub async fn record_consumers(
     pool: &PgPool,

@@ -8,7 +8,7 @@ use idem_host::source;
 use idem_host::source::dead_letters::{Action, PREVIEW_CHARS, Selection, cut_line};
 
 use crate::ConfigArg;
-use crate::table::{format_age, print_table};
+use crate::table::{format_age, print_table, printable};
 use crate::trial::pipeline_named;
 
 /// Dead letters: list, show, and replay by error kind, reason or age.
@@ -83,6 +83,10 @@ struct DlqFilter {
     /// At most this many messages.
     #[arg(long)]
     limit: Option<u64>,
+    /// Only the dead letter with this id (as `idem dlq list --json` and the console show
+    /// them); repeat for several.
+    #[arg(long = "id")]
+    ids: Vec<String>,
 }
 
 impl DlqFilter {
@@ -91,7 +95,7 @@ impl DlqFilter {
             kind: self.kind,
             reason: self.reason,
             since: self.since,
-            ids: None,
+            ids: (!self.ids.is_empty()).then(|| self.ids.into_iter().collect()),
             limit: self.limit,
         }
     }
@@ -206,22 +210,29 @@ async fn show(pipeline: &PipelineConfig, position: u64, as_json: bool) -> anyhow
         println!("{}", serde_json::to_string_pretty(&letter.json(true))?);
         return Ok(ExitCode::SUCCESS);
     }
+    // Message content, and what the broker or a producer put in its headers, printed as
+    // text that cannot drive the terminal.
+    let text = |value: Option<&str>| printable(value.unwrap_or("-"), false);
     println!("#{} in {:?}", letter.position, pipeline.dead_letter());
-    println!("kind         {}", letter.kind.as_deref().unwrap_or("-"));
-    println!("reason       {}", letter.reason.as_deref().unwrap_or("-"));
+    println!("kind         {}", text(letter.kind.as_deref()));
+    println!("reason       {}", text(letter.reason.as_deref()));
     println!("age          {}", letter.age.map_or("-".into(), format_age));
     println!("replays      {}", letter.replays);
     println!(
         "message-id   {}",
-        letter.message.message_id.as_deref().unwrap_or("-")
+        text(letter.message.message_id.as_deref())
     );
-    println!("subject      {}", letter.message.subject);
+    println!("subject      {}", text(Some(&letter.message.subject)));
     println!("headers");
     for (name, value) in &letter.message.headers {
-        println!("  {name}: {value}");
+        println!("  {}: {}", text(Some(name)), text(Some(value)));
     }
     match std::str::from_utf8(&letter.message.body) {
-        Ok(text) => println!("body ({} bytes)\n{text}", letter.message.body.len()),
+        Ok(body) => println!(
+            "body ({} bytes)\n{}",
+            letter.message.body.len(),
+            printable(body, true)
+        ),
         Err(_) => println!(
             "body ({} bytes, not UTF-8, hex)\n{}",
             letter.message.body.len(),
@@ -246,8 +257,11 @@ async fn replay(
         println!(
             "{verb} #{} ({}: {})",
             letter.position,
-            letter.kind.as_deref().unwrap_or("-"),
-            cut_line(letter.reason.as_deref().unwrap_or("-"), 80)
+            printable(letter.kind.as_deref().unwrap_or("-"), false),
+            printable(
+                &cut_line(letter.reason.as_deref().unwrap_or("-"), 80),
+                false
+            )
         );
     })
     .await?;

@@ -99,7 +99,7 @@ fn each_database(
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing(cli.log_format);
+    init_tracing(cli.log_format, cli.command.log_level());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -115,6 +115,18 @@ fn main() -> ExitCode {
         Err(error) => {
             eprintln!("idem: {error:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+impl Command {
+    /// The least a command logs unless `RUST_LOG` says otherwise: a report (`idem check`,
+    /// `idem status`) prints only itself, so the clients' own progress lines (the NATS
+    /// client's "connected" at info) stay out of it; problems still show.
+    fn log_level(&self) -> &'static str {
+        match self {
+            Command::Check(_) | Command::Status(_) => "warn",
+            _ => "info",
         }
     }
 }
@@ -140,11 +152,11 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn init_tracing(format: LogFormat) {
+fn init_tracing(format: LogFormat, level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         // lapin logs every failed connection attempt as an error of its own; the host says
         // what failed and what it does about it (`RUST_LOG=lapin=debug` shows lapin's side).
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},lapin=off")));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

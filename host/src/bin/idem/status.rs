@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use idem_host::config::Config;
 use idem_host::source;
 use idem_host::store::tables::Tables;
-use idem_host::store::{bookkeeping, database};
+use idem_host::store::{database, retention};
 
 use crate::ConfigArg;
 
@@ -56,21 +56,15 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
             println!("  {:<13} {:?}: {}", line.label, line.name, line.state);
         }
         if let Some(pool) = pool {
-            let claims: Result<(i64, Option<f64>), sqlx::Error> =
-                bookkeeping::in_transaction(pool, async |connection| {
-                    bookkeeping::query_as(&tables.sql(
-                        "SELECT count(*), extract(epoch FROM now() - min(processed_at))::float8 \
-                         FROM {claims} WHERE consumer = $1",
-                    ))
-                    .bind(&pipeline_config.consumer)
-                    .fetch_one(connection)
-                    .await
-                })
-                .await;
+            let claims = retention::claims_summary(pool, tables, &pipeline_config.consumer).await;
             match claims {
-                Ok((count, oldest)) => println!(
-                    "  claims        {count} (oldest {}, window {:?})",
-                    oldest.map_or("-".to_string(), |seconds| format!("{:.0} s ago", seconds)),
+                Ok(claims) => println!(
+                    "  claims        {} (oldest {}, window {:?})",
+                    claims.rows,
+                    claims.oldest_age.map_or("-".to_string(), |age| format!(
+                        "{:.0} s ago",
+                        age.as_secs_f64()
+                    )),
                     pipeline_config.retention.window
                 ),
                 Err(error) => println!("  claims        unknown ({error})"),

@@ -41,23 +41,31 @@ function age(seconds) {
 
 // --- the admin API, with the token kept for this browser session ------------------------
 
+let asking = null; // the token dialog's answer while it is open: every call waits for the one
+let declined = false; // the dialog was cancelled: polls stop asking until the button is used
+
 /** Asks for the admin token; resolves to whether one was given. */
 function askToken(reason) {
+  if (asking) return asking;
   const dialog = $("#token-dialog");
   $("#token-reason").textContent = reason;
   $("#token-input").value = "";
-  return new Promise((resolve) => {
+  asking = new Promise((resolve) => {
     dialog.addEventListener("close", () => {
       const token = $("#token-input").value.trim();
+      asking = null;
       if (dialog.returnValue === "ok" && token) {
         sessionStorage.setItem(TOKEN_KEY, token);
+        declined = false;
         resolve(true);
       } else {
+        declined = true;
         resolve(false);
       }
     }, { once: true });
     dialog.showModal();
   });
+  return asking;
 }
 
 /** Calls the host; on 401 asks for the token once and tries again. Resolves to {status, body}. */
@@ -77,9 +85,12 @@ async function api(method, path, body) {
     let parsed;
     try { parsed = JSON.parse(text); } catch { parsed = { error: text.trim() }; }
     if (response.status === 401 && attempt === 0) {
+      // Another call may have been given a token while this one was out: try with it.
+      const current = sessionStorage.getItem(TOKEN_KEY);
+      if (current && current !== token) continue;
       sessionStorage.removeItem(TOKEN_KEY);
-      const why = token ? "The admin token was refused; enter it again." : "This host requires its admin token for that.";
-      if (await askToken(why)) continue;
+      const why = token ? "The admin token was refused; enter it again." : "This host requires its admin token.";
+      if (!declined && await askToken(why)) continue;
     }
     return { status: response.status, body: parsed };
   }
@@ -267,7 +278,7 @@ async function refreshDeadLetters() {
   if (!name) return;
   $("#dl-summary").textContent = "reading…";
   const read = ++deadLetterReads;
-  const { status, body } = await api("GET", `/admin/dead-letters/${encodeURIComponent(name)}`);
+  const { status, body } = await api("POST", `/admin/dead-letters/${encodeURIComponent(name)}/list`, {});
   // A list asked for later (another pipeline chosen, refresh clicked) answers for the page.
   if (read !== deadLetterReads) return;
   if (status !== 200) {
@@ -305,7 +316,7 @@ function updateSelection() {
 
 async function showLetter(id) {
   const name = $("#dl-pipeline").value;
-  const { status, body } = await api("GET", `/admin/dead-letters/${encodeURIComponent(name)}/${encodeURIComponent(id)}`);
+  const { status, body } = await api("POST", `/admin/dead-letters/${encodeURIComponent(name)}/show`, { id });
   if (status !== 200) {
     notice(body.error || `status ${status}`, true);
     return;
@@ -398,7 +409,7 @@ document.addEventListener("DOMContentLoaded", async () => {
   });
   $("#dl-detail-close").addEventListener("click", () => { $("#dl-detail").hidden = true; });
   $("#outbox-refresh").addEventListener("click", refreshOutbox);
-  $("#token-button").addEventListener("click", () => askToken("The admin token, kept for this browser session only."));
+  $("#token-button").addEventListener("click", () => { declined = false; askToken("The admin token, kept for this browser session only."); });
   await readHistory(true);
   await refreshPipelines();
   route();

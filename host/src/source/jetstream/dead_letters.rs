@@ -12,7 +12,8 @@ use async_nats::jetstream::stream::RawMessageErrorKind;
 use async_nats::jetstream::{self, stream};
 
 use super::{
-    JetStreamError, KIND, connect, copied_headers, find_stream, header_pairs, request_error,
+    JetStreamError, KIND, REPLAY_ID_PREFIX, connect, copied_headers, find_stream, header_pairs,
+    request_error,
 };
 use crate::config::{JetStreamConfig, PipelineConfig, subject_matches};
 use crate::message::InboundMessage;
@@ -148,16 +149,14 @@ async fn replay(
             source.table
         )));
     }
-    let mut headers = copied_headers(Some(&stored.headers), false);
-    if let Some(id) = stored.headers.get(headers::MESSAGE_ID) {
-        headers.insert(headers::MESSAGE_ID, id.as_str());
-    }
+    // The producer's message id (x-idem-message-id) carried on, the replay counted.
+    let mut headers = copied_headers(Some(&stored.headers));
     headers.insert(headers::REPLAYS, replays.to_string().as_str());
     // Published again after a lost confirmation, it is stored once.
     headers.insert(
         async_nats::header::NATS_MESSAGE_ID,
         format!(
-            "idem-replay:{}:{}",
+            "{REPLAY_ID_PREFIX}{}:{}",
             source.dead_letter_stream, stored.sequence
         )
         .as_str(),

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind};
-use async_nats::jetstream::stream::ConsumerErrorKind;
+use async_nats::jetstream::stream::{ConsumerErrorKind, RawMessageErrorKind};
 use async_nats::jetstream::{self, AckKind, ErrorCode, stream};
 use async_nats::{ConnectErrorKind, ConnectOptions, HeaderMap};
 use futures::StreamExt;
@@ -24,7 +24,8 @@ pub mod check;
 pub mod dead_letters;
 
 use crate::config::{
-    ClaimMode, ConsumerStart, JetStreamConfig, PipelineConfig, SourceConfig, subject_matches,
+    ClaimMode, ConsumerStart, JetStreamConfig, PipelineConfig, SourceConfig, redact_url,
+    subject_matches,
 };
 use crate::message::InboundMessage;
 use crate::source::{self, Delivery, Source, SourceError, headers, unix_seconds};
@@ -115,7 +116,12 @@ pub async fn connect(
     options = options
         .require_tls(source.tls.is_some())
         .tls_client_config(config);
-    let servers = source.servers.join(", ");
+    let servers = source
+        .servers
+        .iter()
+        .map(|server| redact_url(server))
+        .collect::<Vec<_>>()
+        .join(", ");
     let refused = |error: &async_nats::ConnectError, setting: String| JetStreamError::Refused {
         subject: format!("the connection to {servers}"),
         reason: error.to_string(),
@@ -707,19 +713,77 @@ pub async fn inspect(source: &JetStreamConfig) -> Result<Found, JetStreamError> 
 }
 
 /// The consumer's pending and unacknowledged counts and the dead-letter stream's messages.
-pub async fn depths(source: &JetStreamConfig) -> Result<source::Depths, JetStreamError> {
-    let context = jetstream::new(connect(source, "idem depths".into()).await?);
-    let Some(mut consumer) = find_consumer(&context, source).await? else {
+pub async fn depths(
+    kept: &mut Option<async_nats::Client>,
+    source: &JetStreamConfig,
+) -> Result<source::Depths, JetStreamError> {
+    let client = match kept.take() {
+        Some(client) if client.connection_state() == async_nats::connection::State::Connected => {
+            client
+        }
+        _ => connect(source, "idem depths".into()).await?,
+    };
+    let read = read_depths(&jetstream::new(client.clone()), source).await;
+    if read.is_ok() {
+        *kept = Some(client);
+    }
+    read
+}
+
+async fn read_depths(
+    context: &jetstream::Context,
+    source: &JetStreamConfig,
+) -> Result<source::Depths, JetStreamError> {
+    let Some(mut consumer) = find_consumer(context, source).await? else {
         return Err(must_exist(source, "consumer", &source.consumer));
     };
     let info = consumer
         .info()
         .await
-        .map_err(|error| request_error("read", &source.consumer, error))?;
+        .map_err(|error| request_error("read", &source.consumer, error))?
+        .clone();
+    let unsettled = info.num_pending + info.num_ack_pending as u64;
+    let oldest_age = if unsettled == 0 {
+        Duration::ZERO
+    } else {
+        oldest_unsettled_age(context, source, info.ack_floor.stream_sequence + 1).await?
+    };
     Ok(source::Depths {
         waiting: info.num_pending,
         unacknowledged: Some(info.num_ack_pending as u64),
-        dead_letters: dead_letter_count(&context, source).await?,
+        dead_letters: dead_letter_count(context, source).await?,
+        oldest_age: Some(oldest_age),
+    })
+}
+
+/// How long ago the first message of the consumer's subjects at or after `sequence` (the one
+/// past its ack floor: the oldest not settled) was stored.
+async fn oldest_unsettled_age(
+    context: &jetstream::Context,
+    source: &JetStreamConfig,
+    sequence: u64,
+) -> Result<Duration, JetStreamError> {
+    let stream = context
+        .get_stream_no_info(&source.stream)
+        .await
+        .map_err(|error| request_error("read", &source.stream, error))?;
+    let oldest = stream
+        .raw_message_builder()
+        .sequence(sequence)
+        .next_by_subject(source.subject.as_deref().unwrap_or(">"))
+        .send()
+        .await;
+    Ok(match oldest {
+        Ok(message) => {
+            let stored = message.time.unix_timestamp_nanos();
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::SystemTime::UNIX_EPOCH)
+                .map_or(0, |elapsed| elapsed.as_nanos() as i128);
+            Duration::from_nanos(u64::try_from(now - stored).unwrap_or(0))
+        }
+        // Acked or removed meanwhile.
+        Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => Duration::ZERO,
+        Err(error) => return Err(request_error("read", &source.stream, error)),
     })
 }
 
@@ -851,26 +915,30 @@ impl Session {
     }
 }
 
-/// The producer's message id: kept in `x-idem-message-id` on a replayed message (whose
-/// `Nats-Msg-Id` is the host's), else its `Nats-Msg-Id`.
+/// The producer's message id: kept in `x-idem-message-id` on a message the host replayed
+/// (whose `Nats-Msg-Id` is the host's), else its `Nats-Msg-Id`.
 fn producer_message_id(headers: &HeaderMap) -> Option<String> {
-    headers
+    let id = headers.get(async_nats::header::NATS_MESSAGE_ID)?.as_str();
+    let kept = headers
         .get(headers::MESSAGE_ID)
-        .or_else(|| headers.get(async_nats::header::NATS_MESSAGE_ID))
-        .map(|value| value.as_str().to_string())
+        .filter(|_| id.starts_with(REPLAY_ID_PREFIX));
+    Some(kept.map_or(id, |kept| kept.as_str()).to_string())
 }
 
+/// How the `Nats-Msg-Id` of a message the host replayed begins.
+pub(super) const REPLAY_ID_PREFIX: &str = "idem-replay:";
+
 /// `headers` without the server's directives (`Nats-Msg-Id`, `Nats-Expected-Stream`, …,
-/// which would make the server drop or refuse a copy published elsewhere) and, unless
-/// `diagnostics`, without the host's `x-idem-*` ones.
-fn copied_headers(headers: Option<&HeaderMap>, diagnostics: bool) -> HeaderMap {
+/// which would make the server drop or refuse a copy published elsewhere) and without the
+/// `x-idem-*` ones a dead letter does not keep (the host writes its own).
+fn copied_headers(headers: Option<&HeaderMap>) -> HeaderMap {
     let mut copy = HeaderMap::new();
     for (name, values) in headers.into_iter().flat_map(HeaderMap::iter) {
         let name = name.to_string();
         let directive = name
             .get(..5)
             .is_some_and(|prefix| prefix.eq_ignore_ascii_case("nats-"));
-        if directive || (!diagnostics && source::headers::is_diagnostic(&name)) {
+        if directive || !source::headers::is_kept_on_a_dead_letter(&name) {
             continue;
         }
         for value in values {
@@ -946,7 +1014,7 @@ impl Delivery for Received {
 
     async fn dead_letter(&self, error_kind: &'static str, reason: &str) -> bool {
         let route = &self.route;
-        let mut headers = copied_headers(self.original.headers.as_ref(), true);
+        let mut headers = copied_headers(self.original.headers.as_ref());
         headers.insert(headers::REASON, headers::reason_text(reason).as_str());
         headers.insert(headers::ERROR_KIND, error_kind);
         headers.insert(headers::PIPELINE, route.pipeline.as_str());

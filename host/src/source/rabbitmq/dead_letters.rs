@@ -148,11 +148,7 @@ async fn next(
     let delivery = got.delivery;
     // The message as the pipeline's plugin saw it: from the pipeline's queue.
     let message = inbound_message(&pipeline.name, pipeline.queue(), false, &delivery);
-    let id = message
-        .headers
-        .iter()
-        .find(|(name, _)| name == headers::DEAD_LETTER_ID)
-        .map_or_else(|| digest(&message), |(_, id)| id.clone());
+    let id = digest(&message);
     let letter = DeadLetter::recorded(position, id, message);
     Ok(Some((letter, Receipt::of(delivery, acks, 1))))
 }
@@ -180,20 +176,7 @@ async fn replay(
 /// The original headers without the host's diagnostics of the last failure, with the replay
 /// count: retries start over in the pipeline.
 fn replay_headers(receipt: &Receipt, replays: u64) -> FieldTable {
-    let mut headers: FieldTable = receipt
-        .properties
-        .headers()
-        .as_ref()
-        .map(|table| {
-            table
-                .inner()
-                .iter()
-                .filter(|(name, _)| !headers::is_diagnostic(name.as_str()))
-                .map(|(name, value)| (name.clone(), value.clone()))
-                .collect::<std::collections::BTreeMap<_, _>>()
-                .into()
-        })
-        .unwrap_or_default();
+    let mut headers = receipt.headers_kept(|name| !headers::is_diagnostic(name));
     headers.insert(
         ShortString::from(headers::REPLAYS),
         AMQPValue::LongLongInt(i64::try_from(replays).unwrap_or(i64::MAX)),
@@ -201,12 +184,17 @@ fn replay_headers(receipt: &Receipt, replays: u64) -> FieldTable {
     headers
 }
 
-/// The id of a dead letter without `x-idem-dead-letter-id` (dead-lettered by an older idem): a
-/// digest of what it holds (its headers, `x-idem-rejected-at` among them, and its body), which
-/// two identical dead letters share.
+/// The id of a dead letter: a digest of what it holds, its headers (the random
+/// `x-idem-dead-letter-id` the host gives what it dead-letters among them, so that two
+/// identical messages are two dead letters) and its body, but not the count the broker keeps
+/// of its deliveries. Nothing a producer sets can make it another dead letter's id without
+/// being that same message.
 fn digest(message: &InboundMessage) -> String {
     let mut hasher = Sha256::new();
     for (name, value) in &message.headers {
+        if name == super::DELIVERY_COUNT_HEADER {
+            continue;
+        }
         hasher.update(name.as_bytes());
         hasher.update([0]);
         hasher.update(value.as_bytes());

@@ -364,27 +364,59 @@ pub async fn queue_depth(amqp: &AmqpConfig, queue: &str) -> Result<Option<QueueD
 }
 
 /// Messages ready in `source`'s queue and in its dead-letter queue, over one connection.
-pub async fn depths(source: &RabbitMqConfig) -> Result<source::Depths, AmqpError> {
-    let (connection, channel) = connect_channel(&source.broker, "depths").await?;
-    let waiting = topology::inspect(&channel, &source.queue).await;
-    // A failed passive declare closes the channel: the dead-letter queue gets its own.
-    let dead_letters = match connection.create_channel().await {
-        Ok(channel) => topology::inspect(&channel, &source.dead_letter_queue)
-            .await
-            .ok()
-            .map(|declared| u64::from(declared.message_count())),
-        Err(_) => None,
+pub async fn depths(
+    kept: &mut Option<Connection>,
+    source: &RabbitMqConfig,
+) -> Result<source::Depths, AmqpError> {
+    let connection = match kept.take() {
+        Some(connection) if connection.status().connected() => connection,
+        _ => connect(&source.broker, "idem depths".to_string()).await?,
     };
-    let _ = connection.close(200, ShortString::from("done")).await;
-    let waiting = waiting.map_err(|error| AmqpError::Topology {
-        action: "inspect",
-        queue: source.queue.clone(),
-        source: error,
-    })?;
+    let read = read_depths(&connection, source).await;
+    if read.is_ok() {
+        *kept = Some(connection);
+    } else {
+        let _ = connection.close(200, ShortString::from("done")).await;
+    }
+    read
+}
+
+/// The depths of `source`'s queues, each inspected on a channel of its own (a failed passive
+/// declare closes its channel).
+async fn read_depths(
+    connection: &Connection,
+    source: &RabbitMqConfig,
+) -> Result<source::Depths, AmqpError> {
+    let inspect = async |queue: &str| {
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|error| AmqpError::Connect {
+                endpoint: source.broker.endpoints(),
+                source: error,
+            })?;
+        let declared = topology::inspect(&channel, queue).await;
+        if declared.is_ok() {
+            let _ = channel.close(200, ShortString::from("done")).await;
+        }
+        Ok::<_, AmqpError>(declared)
+    };
+    let waiting = inspect(&source.queue)
+        .await?
+        .map_err(|error| AmqpError::Topology {
+            action: "inspect",
+            queue: source.queue.clone(),
+            source: error,
+        })?;
+    let dead_letters = inspect(&source.dead_letter_queue)
+        .await?
+        .ok()
+        .map(|declared| u64::from(declared.message_count()));
     Ok(source::Depths {
         waiting: u64::from(waiting.message_count()),
         unacknowledged: None,
         dead_letters,
+        oldest_age: None,
     })
 }
 
@@ -406,7 +438,7 @@ pub fn receive(
 }
 
 /// The header a quorum queue counts a message's earlier deliveries in (absent on the first).
-const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
+pub(super) const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
 
 /// What a plugin sees of `delivery`, taken from `queue`: non-text header values rendered as
 /// text; the delivery count when the queue keeps one (`counted`: a quorum queue).
@@ -509,7 +541,7 @@ impl Receipt {
         error_kind: &str,
         reason: &str,
     ) -> Result<bool, AmqpError> {
-        let mut headers = self.properties.headers().clone().unwrap_or_default();
+        let mut headers = self.headers_kept(headers::is_kept_on_a_dead_letter);
         headers.insert(
             ShortString::from(headers::REASON),
             AMQPValue::LongString(LongString::from(headers::reason_text(reason))),
@@ -542,6 +574,17 @@ impl Receipt {
         )
         .await?;
         Ok(self.ack().await)
+    }
+
+    /// The delivery's headers whose names `keep` takes.
+    pub(super) fn headers_kept(&self, keep: impl Fn(&str) -> bool) -> FieldTable {
+        let mut kept = FieldTable::default();
+        for (name, value) in self.properties.headers().iter().flat_map(FieldTable::inner) {
+            if keep(name.as_str()) {
+                kept.insert(name.clone(), value.clone());
+            }
+        }
+        kept
     }
 
     /// Publishes a copy back to the pipeline's queue with `attempt` in its headers, waits for
