@@ -51,6 +51,14 @@ pub async fn consume<S: Source>(
     let name = pipeline.config.name.clone();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     while !shutdown.is_cancelled() {
+        if pipeline.operator_pause().is_some() {
+            // Paused by an operator: no connection, nothing held, until resumed.
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                () = pipeline.operator_resumed() => {}
+            }
+            continue;
+        }
         let opened = tokio::select! {
             opened = S::open(&config, &pipeline.config, &shutdown) => opened,
             () = shutdown.cancelled() => return Ok(()),
@@ -63,7 +71,11 @@ pub async fn consume<S: Source>(
                 let served = serve(&pipeline, source, &shutdown).await;
                 pipeline.consuming.store(false, Ordering::Relaxed);
                 match served {
-                    Ok(()) => return Ok(()),
+                    Ok(Ended::Shutdown) => return Ok(()),
+                    Ok(Ended::OperatorPause) => {
+                        info!(pipeline = %name, "Stopped consuming: paused by an operator.");
+                        continue;
+                    }
                     Err(error) => error,
                 }
             }
@@ -86,14 +98,22 @@ pub async fn consume<S: Source>(
     Ok(())
 }
 
+/// Why [`serve`] stopped consuming without an error.
+enum Ended {
+    Shutdown,
+    /// An operator paused the pipeline.
+    OperatorPause,
+}
+
 /// Feeds deliveries to at most `workers` concurrent tasks, up to `batch.size` deliveries per
-/// task (gathered for at most `batch.linger`). On shutdown, stops consuming, lets every
-/// started message finish and settle, then closes the connection.
+/// task (gathered for at most `batch.linger`). On shutdown or an operator's pause, stops
+/// consuming, lets every started message finish and settle, then closes the connection (what
+/// was prefetched and not started goes back to the queue).
 async fn serve<S: Source>(
     pipeline: &Arc<Pipeline>,
     mut source: S,
     shutdown: &CancellationToken,
-) -> Result<(), SourceError> {
+) -> Result<Ended, SourceError> {
     let workers = Arc::new(Semaphore::new(pipeline.config.workers.get()));
     let batch_size = pipeline.config.batch.size.get();
     let mut in_flight = JoinSet::new();
@@ -103,13 +123,15 @@ async fn serve<S: Source>(
             // A configuration fault: take nothing more until the paused transaction works.
             tokio::select! {
                 biased;
-                () = shutdown.cancelled() => break Ok(()),
+                () = shutdown.cancelled() => break Ok(Ended::Shutdown),
+                () = pipeline.operator_paused() => break Ok(Ended::OperatorPause),
                 () = pipeline.unpaused() => {}
             }
         }
         let next = tokio::select! {
             biased;
-            () = shutdown.cancelled() => break Ok(()),
+            () = shutdown.cancelled() => break Ok(Ended::Shutdown),
+            () = pipeline.operator_paused() => break Ok(Ended::OperatorPause),
             next = source.next() => next,
         };
         let first = match next {
@@ -119,9 +141,11 @@ async fn serve<S: Source>(
         let permit = tokio::select! {
             permit = workers.clone().acquire_owned() => permit,
             // The delivery is not started: closing the connection returns it to the queue.
-            () = shutdown.cancelled() => break Ok(()),
+            () = shutdown.cancelled() => break Ok(Ended::Shutdown),
         };
-        let Ok(permit) = permit else { break Ok(()) };
+        let Ok(permit) = permit else {
+            break Ok(Ended::Shutdown);
+        };
         let mut deliveries = vec![first];
         let mut gathering_ended = None;
         if batch_size > 1 {

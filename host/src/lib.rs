@@ -24,7 +24,8 @@
 //!   `/readyz`, `/admin/…`), the counters every layer records into, and the gauges sampled
 //!   from the sources and databases on an interval.
 //! - [`pipeline`]: a pipeline's parts put together (plugin, statements, sessions, pause);
-//!   [`reload`]: hot swap of its plugin (file watch, SIGHUP, admin call).
+//!   [`reload`]: hot swap of its plugin (file watch, SIGHUP, admin call); [`operator`]: an
+//!   operator's pause and resume, on one host or recorded for all.
 //! - [`cases`]: plugin test cases (`idem test`) and the JSON form of an outcome (`idem try`).
 //! - [`effect`], [`message`]: the data passed between them.
 //! - [`backoff`], [`failpoint`], [`tls`]: retry timing, crash points for tests, TLS verdicts.
@@ -38,6 +39,7 @@ pub mod failpoint;
 pub mod http;
 pub mod message;
 pub mod metrics;
+pub mod operator;
 pub mod pipeline;
 pub mod process;
 pub mod relay;
@@ -177,6 +179,8 @@ async fn serve(
         ),
         None => None,
     };
+    // Before anything is consumed: a pipeline paused for every host stays paused here.
+    operator::follow_recorded_pauses(pipelines.clone(), databases.clone(), token.clone()).await;
     reload::spawn_watcher(pipelines.clone(), token.clone());
     reload::spawn_sighup_listener(pipelines.clone(), token.clone());
     for (name, database) in databases.iter() {

@@ -25,6 +25,7 @@ pub struct Metrics {
     claims_deleted: Family<PipelineLabels, Counter>,
     outbox_deliveries: Family<DestinationLabels, Counter>,
     pipeline_paused: Family<PipelineLabels, Gauge>,
+    operator_paused: Family<PipelineLabels, Gauge>,
     sampled: Sampled,
 }
 
@@ -153,15 +154,11 @@ impl Metrics {
             "Outbox delivery attempts, by destination and result (delivered, failed, parked)",
             outbox_deliveries.clone(),
         );
-        let pipeline_paused = Family::<PipelineLabels, Gauge>::default();
-        registry.register(
-            "pipeline_paused",
-            "1 while the pipeline is paused by a configuration fault (see /readyz for the statement and SQLSTATE)",
-            pipeline_paused.clone(),
-        );
+        let (pipeline_paused, operator_paused) = register_pauses(&mut registry);
         let sampled = Sampled::register(&mut registry);
         Metrics {
             registry,
+            operator_paused,
             sampled,
             pipeline_paused,
             outbox_deliveries,
@@ -191,6 +188,13 @@ impl Metrics {
     /// The pipeline paused (`true`) or resumed (`false`).
     pub fn pipeline_paused(&self, pipeline: &str, paused: bool) {
         self.pipeline_paused
+            .get_or_create(&pipeline_labels(pipeline))
+            .set(i64::from(paused));
+    }
+
+    /// An operator paused (`true`) or resumed (`false`) the pipeline.
+    pub fn pipeline_operator_paused(&self, pipeline: &str, paused: bool) {
+        self.operator_paused
             .get_or_create(&pipeline_labels(pipeline))
             .set(i64::from(paused));
     }
@@ -285,6 +289,25 @@ impl Metrics {
         }
         text
     }
+}
+
+/// The two pause gauges: a configuration fault's, an operator's.
+fn register_pauses(
+    registry: &mut Registry,
+) -> (Family<PipelineLabels, Gauge>, Family<PipelineLabels, Gauge>) {
+    let pipeline_paused = Family::<PipelineLabels, Gauge>::default();
+    registry.register(
+        "pipeline_paused",
+        "1 while the pipeline is paused by a configuration fault (see /readyz for the statement and SQLSTATE)",
+        pipeline_paused.clone(),
+    );
+    let operator_paused = Family::<PipelineLabels, Gauge>::default();
+    registry.register(
+        "pipeline_operator_paused",
+        "1 while an operator has paused the pipeline (POST /admin/pipelines/<name>/pause, idem pause)",
+        operator_paused.clone(),
+    );
+    (pipeline_paused, operator_paused)
 }
 
 impl Sampled {

@@ -7,7 +7,7 @@ use std::time::SystemTime;
 
 use arc_swap::ArcSwap;
 use sqlx::PgPool;
-use tracing::{debug, error, info};
+use tracing::{debug, error, info, warn};
 
 use crate::cases;
 use crate::config::{ClaimMode, Isolation, PipelineConfig};
@@ -47,6 +47,20 @@ pub struct Pipeline {
     /// `Some` while a configuration fault pauses the pipeline: no new deliveries are taken
     /// until a retry of the failing transaction succeeds.
     paused: tokio::sync::watch::Sender<Option<Paused>>,
+    /// `Some` while an operator has paused the pipeline: it consumes nothing (its connection
+    /// closed, what it had prefetched back on the queue) until resumed.
+    operator_pause: tokio::sync::watch::Sender<Option<OperatorPause>>,
+}
+
+/// An operator's pause of a pipeline (`POST /admin/pipelines/{name}/pause`, `idem pause`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OperatorPause {
+    /// What the operator said, or that nothing was said.
+    pub reason: String,
+    pub since: SystemTime,
+    /// Recorded in the database (`idem_consumers.paused_at`): every host of the pipeline's
+    /// consumer honours it, across restarts, until a resume clears it.
+    pub persistent: bool,
 }
 
 /// Why a pipeline is paused: the statement that failed for a configuration reason.
@@ -150,6 +164,9 @@ impl Pipeline {
             statements = config.statements.len(),
             "Pipeline ready."
         );
+        // Both pause gauges are there from the start, at 0, for the alert rules.
+        metrics.pipeline_paused(&config.name, false);
+        metrics.pipeline_operator_paused(&config.name, false);
         Ok(Pipeline {
             config,
             runtime,
@@ -164,6 +181,7 @@ impl Pipeline {
             relay: RelayWaker::default(),
             batch_applier: tokio::sync::Mutex::new(()),
             paused: tokio::sync::watch::Sender::new(None),
+            operator_pause: tokio::sync::watch::Sender::new(None),
         })
     }
 
@@ -218,6 +236,57 @@ impl Pipeline {
     /// Returns once the pipeline is not paused.
     pub(crate) async fn unpaused(&self) {
         let mut receiver = self.paused.subscribe();
+        let _ = receiver.wait_for(Option::is_none).await;
+    }
+
+    /// An operator pauses the pipeline: it stops consuming once the messages it started are
+    /// settled. Returns whether it was running.
+    pub fn pause_by_operator(&self, pause: OperatorPause) -> bool {
+        let mut newly = false;
+        self.operator_pause.send_modify(|current| {
+            newly = current.is_none();
+            *current = Some(pause.clone());
+        });
+        self.metrics.pipeline_operator_paused(self.name(), true);
+        if newly {
+            warn!(
+                pipeline = %self.name(),
+                reason = %pause.reason,
+                persistent = pause.persistent,
+                "Pipeline paused by an operator: it consumes nothing until resumed."
+            );
+        }
+        newly
+    }
+
+    /// An operator resumes the pipeline; the pause it ends, if there was one.
+    pub fn resume_by_operator(&self) -> Option<OperatorPause> {
+        let mut ended = None;
+        self.operator_pause.send_if_modified(|current| {
+            ended = current.take();
+            ended.is_some()
+        });
+        if ended.is_some() {
+            self.metrics.pipeline_operator_paused(self.name(), false);
+            info!(pipeline = %self.name(), "Pipeline resumed by an operator.");
+        }
+        ended
+    }
+
+    /// The operator's pause, if the pipeline is paused by one.
+    pub fn operator_pause(&self) -> Option<OperatorPause> {
+        self.operator_pause.borrow().clone()
+    }
+
+    /// Returns once an operator pauses the pipeline.
+    pub(crate) async fn operator_paused(&self) {
+        let mut receiver = self.operator_pause.subscribe();
+        let _ = receiver.wait_for(Option::is_some).await;
+    }
+
+    /// Returns once no operator's pause holds the pipeline.
+    pub(crate) async fn operator_resumed(&self) {
+        let mut receiver = self.operator_pause.subscribe();
         let _ = receiver.wait_for(Option::is_none).await;
     }
 }

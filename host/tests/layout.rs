@@ -8,7 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The layers that put the lower modules together; the lower ones never import them.
-const UPPER: [&str; 5] = ["consumer", "process", "pipeline", "reload", "cases"];
+const UPPER: [&str; 7] = [
+    "consumer", "process", "pipeline", "reload", "cases", "operator", "sampler",
+];
 /// The lower layers: one folder each.
 const LOWER: [&str; 4] = ["source", "sandbox", "store", "relay"];
 

@@ -38,7 +38,7 @@ fn promtool(args: &[&str]) -> String {
 #[test]
 fn the_alert_rules_pass_promtool() {
     let checked = promtool(&["check", "rules", "alerts.yml"]);
-    assert!(checked.contains("SUCCESS: 8 rules found"), "{checked}");
+    assert!(checked.contains("SUCCESS: 9 rules found"), "{checked}");
     let tested = promtool(&["test", "rules", "alerts.test.yml"]);
     assert!(tested.contains("SUCCESS"), "{tested}");
 }
@@ -57,6 +57,7 @@ fn exported_series() -> BTreeSet<String> {
     metrics.claims_deleted("p", 1);
     metrics.outbox_delivered("d", "delivered");
     metrics.pipeline_paused("p", false);
+    metrics.pipeline_operator_paused("p", false);
     metrics.source_sampled(
         "p",
         SourceSample {
@@ -317,7 +318,7 @@ async fn a_real_prometheus_scrapes_a_host_and_fires_on_dead_letters() {
         .expect("the rules loaded")
         .iter()
         .collect();
-    assert_eq!(rules.len(), 8, "{rules:?}");
+    assert_eq!(rules.len(), 9, "{rules:?}");
     for rule in rules {
         assert_eq!(rule["health"], "ok", "{rule}");
     }

@@ -111,8 +111,14 @@ async fn the_console_is_served_from_the_binary_and_can_be_turned_off() {
 /// Clicks the one group's replay button, confirms, and waits for the page to say that `count`
 /// messages were replayed; the confirmation's question.
 async fn replay_the_group(browser: &mut Browser, count: u32) -> String {
+    act_on_the_group(browser, "replay", "Replayed", count).await
+}
+
+/// Clicks the one group's `action` button, confirms, and waits for the page to say that
+/// `count` messages were `done`; the confirmation's question.
+async fn act_on_the_group(browser: &mut Browser, action: &str, done: &str, count: u32) -> String {
     browser
-        .click("#dl-groups tbody tr button.replay-group")
+        .click(&format!("#dl-groups tbody tr button.{action}-group"))
         .await;
     browser
         .wait("document.querySelector('#confirm').open", 10)
@@ -124,7 +130,7 @@ async fn replay_the_group(browser: &mut Browser, count: u32) -> String {
     browser
         .wait(
             &format!(
-                "document.querySelector('#notice').textContent.includes('Replayed {count} message(s)')"
+                "document.querySelector('#notice').textContent.includes('{done} {count} message(s)')"
             ),
             30,
         )
@@ -367,6 +373,50 @@ async fn the_console_in_a_browser() {
         },
     )
     .await;
+
+    // Never to be replayed: archived from the page, whole, then gone from the queue.
+    browser.eval(&choose("loyalty")).await;
+    browser.wait(&group_of(3, "must not be negative"), 30).await;
+    let question = act_on_the_group(&mut browser, "archive", "Archived", 3).await;
+    assert!(question.contains("idem_dead_letters"), "{question}");
+    assert_eq!(env.ready(&env.dead_letter_queue).await, 0);
+    assert_eq!(
+        env.count("SELECT count(*) FROM idem_dead_letters WHERE pipeline = 'loyalty' AND convert_from(body, 'UTF8') LIKE '%-5%'")
+            .await,
+        3
+    );
+
+    // Paused from the page on this host; resumed.
+    browser.click("a[data-view=\"pipelines\"]").await;
+    browser
+        .click("tr[data-pipeline=\"loyalty\"] button.pause")
+        .await;
+    browser
+        .wait("document.querySelector('#pause-dialog').open", 10)
+        .await;
+    browser.fill("#pause-reason", "checking the ledger").await;
+    browser.screenshot("pause").await;
+    browser.click("#pause-ok").await;
+    browser
+        .wait(
+            "document.querySelector('tr[data-pipeline=\"loyalty\"]')?.dataset.state === 'paused-by-operator' && document.querySelector('tr[data-pipeline=\"loyalty\"]').textContent.includes('checking the ledger')",
+            15,
+        )
+        .await;
+    browser
+        .click("tr[data-pipeline=\"loyalty\"] button.resume")
+        .await;
+    browser
+        .wait("document.querySelector('#confirm').open", 10)
+        .await;
+    browser.click("#confirm-ok").await;
+    browser
+        .wait(
+            "document.querySelector('tr[data-pipeline=\"loyalty\"]')?.dataset.state === 'consuming'",
+            30,
+        )
+        .await;
+    browser.click("a[data-view=\"dead-letters\"]").await;
 
     // Fixed, then replayed from the page: applied once.
     sqlx::query("ALTER TABLE point_ledger DROP CONSTRAINT small_credits")

@@ -15,6 +15,7 @@ mod jetstream;
 mod languages;
 mod operations;
 mod outbox;
+mod pause;
 mod plugin_kit;
 mod pooler;
 mod queues;

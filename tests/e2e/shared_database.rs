@@ -230,6 +230,7 @@ async fn an_earlier_installation_moves_into_its_schema_with_its_claims() {
         "processed_messages",
         "idem_outbox",
         "idem_consumers",
+        "idem_dead_letters",
         "idem_migrations",
     ] {
         assert!(

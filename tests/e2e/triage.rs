@@ -28,6 +28,13 @@ fn idem(config: &Path, args: &[&str]) -> (bool, String) {
     )
 }
 
+/// `idem` with `args` on the pipeline, expected to fail: what it said.
+fn idem_refused(config: &Path, args: &[&str]) -> String {
+    let (ok, said) = idem(config, args);
+    assert!(!ok, "idem {args:?} succeeded: {said}");
+    said
+}
+
 /// The dead letters `idem dlq list --json` shows with `filter`, in order.
 fn listed(config: &Path, filter: &[&str]) -> Vec<serde_json::Value> {
     let mut args = vec!["dlq", "list", "--json"];
@@ -615,4 +622,102 @@ async fn looking_at_a_quorum_dead_letter_queue_destroys_nothing() {
     assert_eq!(env.ready(&env.dead_letter_queue).await, 3);
     let _ = std::fs::remove_file(config);
     env.cleanup().await;
+}
+
+/// Dead letters that will never be replayed: `idem dlq archive` keeps the selected ones (in a
+/// JSON-lines file, or the database's `idem_dead_letters`) before removing them, `idem dlq
+/// discard` removes them for good, and a discard without a filter is refused unless `--all`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_of_a_queue_are_archived_and_discarded() {
+    archive_and_discard(Triage::on_queue("dlq_archive").await).await;
+}
+
+/// The same on a JetStream pipeline's dead-letter stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_of_a_stream_are_archived_and_discarded() {
+    archive_and_discard(Triage::on_stream("js_dlq_archive").await).await;
+}
+
+async fn archive_and_discard(triage: Triage) {
+    let env = &triage.env;
+    let config = triage.config.clone();
+    let host = env.start_host(triage.host_config());
+    for (number, body) in [
+        r#"{"action": "invalid"}"#,
+        r#"{"action": "trap"}"#,
+        r#"{"action": "invalid"}"#,
+        r#"{"action": "trap"}"#,
+    ]
+    .iter()
+    .enumerate()
+    {
+        triage.publish(number, body.as_bytes()).await;
+    }
+    wait_for("four dead letters", Duration::from_secs(60), || async {
+        triage.dead_letters().await == 4
+    })
+    .await;
+    host.stop().await.expect("host stops");
+
+    let said = idem_refused(&config, &["dlq", "discard"]);
+    assert!(said.contains("--all"), "{said}");
+    let file = std::env::temp_dir().join(format!("{}-archive.jsonl", env.database));
+    let _ = std::fs::remove_file(&file);
+    let to = file.to_str().expect("a path");
+    let (ok, said) = idem(
+        &config,
+        &[
+            "dlq",
+            "archive",
+            "--kind",
+            "plugin-trap",
+            "--to",
+            to,
+            "--dry-run",
+        ],
+    );
+    assert!(ok && said.contains("would archive 2 message(s)"), "{said}");
+    assert_eq!(triage.dead_letters().await, 4);
+    assert!(!file.exists(), "a dry run wrote the archive");
+
+    let (ok, said) = idem(
+        &config,
+        &["dlq", "archive", "--kind", "plugin-trap", "--to", to],
+    );
+    assert!(
+        ok && said.contains("archived 2 message(s)") && said.contains("2 removed"),
+        "{said}"
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&file)
+        .expect("the archive file")
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("a JSON line"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    for line in &lines {
+        assert_eq!(line["kind"], "plugin-trap", "{line}");
+        assert_eq!(line["body"]["text"], r#"{"action": "trap"}"#, "{line}");
+    }
+    assert_eq!(
+        listed_kinds(&config, &[]),
+        ["invalid-input", "invalid-input"]
+    );
+
+    let (ok, said) = idem(
+        &config,
+        &["dlq", "archive", "--kind", "invalid-input", "--limit", "1"],
+    );
+    assert!(ok && said.contains("archived 1 message(s)"), "{said}");
+    assert_eq!(
+        env.count("SELECT count(*) FROM idem_dead_letters WHERE pipeline = 'loyalty' AND error_kind = 'invalid-input'")
+            .await,
+        1
+    );
+    assert_eq!(listed_kinds(&config, &[]), ["invalid-input"]);
+
+    let (ok, said) = idem(&config, &["dlq", "discard", "--kind", "invalid-input"]);
+    assert!(ok && said.contains("discarded 1 message(s)"), "{said}");
+    assert_eq!(triage.dead_letters().await, 0);
+    let _ = std::fs::remove_file(&file);
+    triage.cleanup().await;
 }

@@ -1,7 +1,8 @@
 //! The HTTP endpoint: `/metrics`, `/healthz`, `/readyz`, and the admin API.
 //!
 //! `/admin/status` lists pipelines with their plugin build; `POST /admin/reload/{pipeline}`
-//! hot-swaps a plugin; `triage` lists and replays dead letters and parked outbox rows.
+//! hot-swaps a plugin; `POST /admin/pipelines/{pipeline}/pause|resume` pauses and resumes
+//! one (`operator`); `triage` lists and replays dead letters and parked outbox rows.
 //!
 //! Access: a request addressed (its `Host`) to a name this endpoint does not answer to is
 //! refused on every route, so a page whose domain was rebound to this address reads and does
@@ -34,6 +35,7 @@ use tracing::{info, warn};
 
 use crate::config::HttpConfig;
 use crate::metrics::Metrics;
+use crate::operator;
 use crate::pipeline::Pipeline;
 use crate::reload::{self, Reloaded};
 use crate::sampler;
@@ -111,37 +113,7 @@ pub async fn serve(
         admin_token: config.admin_token.as_deref().map(Arc::from),
         hosts: Arc::from(config.hosts.as_slice()),
     };
-    let reads = Router::new()
-        .route("/admin/status", get(status))
-        .route(
-            "/admin/history",
-            get(|State(state): State<AppState>| async move { Json(state.history.json()) }),
-        )
-        .route("/admin/outbox", get(triage::outbox_rows))
-        .route_layer(middleware::from_fn_with_state(state.clone(), guard_read));
-    let actions = Router::new()
-        .route("/admin/dead-letters/{pipeline}/list", post(triage::list))
-        .route("/admin/dead-letters/{pipeline}/show", post(triage::show))
-        .route("/admin/reload/{pipeline}", post(reload_pipeline))
-        .route(
-            "/admin/dead-letters/{pipeline}/replay",
-            post(triage::replay),
-        )
-        .route("/admin/outbox/retry", post(triage::outbox_retry))
-        .route_layer(middleware::from_fn_with_state(state.clone(), guard_action));
-    let mut app = Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(ready))
-        .route("/metrics", get(metrics_text))
-        .merge(reads)
-        .merge(actions);
-    if config.console {
-        app = app.merge(console::routes());
-    }
-    let app = app
-        .layer(middleware::from_fn(security_headers))
-        .layer(middleware::from_fn_with_state(state.clone(), guard_host))
-        .with_state(state);
+    let app = routes(state, config.console);
     let address = listener.local_addr().unwrap_or(config.listen);
     if config.console {
         info!(%address, "HTTP endpoint listening: the console at http://{address}/, /metrics, /healthz, /readyz, /admin.");
@@ -156,6 +128,51 @@ pub async fn serve(
             warn!(%error, "HTTP endpoint stopped.");
         }
     }))
+}
+
+/// Every route with its guards: the reads, the actions (and broker reads) behind
+/// `guard_action`, the console unless turned off; `guard_host` and the security headers on all.
+fn routes(state: AppState, console: bool) -> Router {
+    let reads = Router::new()
+        .route("/admin/status", get(status))
+        .route(
+            "/admin/history",
+            get(|State(state): State<AppState>| async move { Json(state.history.json()) }),
+        )
+        .route("/admin/outbox", get(triage::outbox_rows))
+        .route_layer(middleware::from_fn_with_state(state.clone(), guard_read));
+    let actions = Router::new()
+        .route("/admin/dead-letters/{pipeline}/list", post(triage::list))
+        .route("/admin/dead-letters/{pipeline}/show", post(triage::show))
+        .route("/admin/reload/{pipeline}", post(reload_pipeline))
+        .route("/admin/pipelines/{pipeline}/pause", post(pause_pipeline))
+        .route("/admin/pipelines/{pipeline}/resume", post(resume_pipeline))
+        .route(
+            "/admin/dead-letters/{pipeline}/replay",
+            post(triage::replay),
+        )
+        .route(
+            "/admin/dead-letters/{pipeline}/discard",
+            post(triage::discard),
+        )
+        .route(
+            "/admin/dead-letters/{pipeline}/archive",
+            post(triage::archive),
+        )
+        .route("/admin/outbox/retry", post(triage::outbox_retry))
+        .route_layer(middleware::from_fn_with_state(state.clone(), guard_action));
+    let mut app = Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(metrics_text))
+        .merge(reads)
+        .merge(actions);
+    if console {
+        app = app.merge(console::routes());
+    }
+    app.layer(middleware::from_fn(security_headers))
+        .layer(middleware::from_fn_with_state(state.clone(), guard_host))
+        .with_state(state)
 }
 
 /// Every route: only requests addressed to this endpoint's own names.
@@ -327,7 +344,13 @@ async fn ready(State(state): State<AppState>) -> impl IntoResponse {
         if let Some(paused) = pipeline.paused() {
             problems.push(format!("pipeline {:?}: {paused}", pipeline.name()));
         }
-        if !pipeline.consuming.load(Ordering::Relaxed) {
+        if let Some(pause) = pipeline.operator_pause() {
+            problems.push(format!(
+                "pipeline {:?}: paused by an operator ({})",
+                pipeline.name(),
+                pause.reason
+            ));
+        } else if !pipeline.consuming.load(Ordering::Relaxed) {
             problems.push(format!(
                 "pipeline {:?}: not consuming {:?}",
                 pipeline.name(),
@@ -369,6 +392,11 @@ async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
                     "sqlstate": paused.sqlstate,
                     "reason": paused.reason,
                 })),
+                "operator_pause": pipeline.operator_pause().map(|pause| json!({
+                    "reason": pause.reason,
+                    "since": unix_seconds(pause.since),
+                    "persistent": pause.persistent,
+                })),
                 "plugin": {
                     "path": plugin.path.display().to_string(),
                     "digest": plugin.digest,
@@ -401,6 +429,72 @@ async fn reload_pipeline(
             Json(json!({ "result": "refused", "error": error.to_string() })),
         ),
     })
+}
+
+/// `POST /admin/pipelines/{pipeline}/pause` with `{"reason": …, "persist": …}` (both
+/// optional).
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PauseRequest {
+    reason: Option<String>,
+    /// Recorded for every host of the pipeline's consumer, across restarts.
+    #[serde(default)]
+    persist: bool,
+}
+
+async fn pause_pipeline(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    Json(request): Json<PauseRequest>,
+) -> Result<Answer, Answer> {
+    let pipeline = state.pipeline(&name)?;
+    let database = state.databases.named(pipeline.config.database.as_deref());
+    let newly = operator::pause(
+        pipeline,
+        database,
+        request.reason.as_deref(),
+        request.persist,
+    )
+    .await
+    .map_err(|error| {
+        failed(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the pause could not be recorded in the database, nothing paused: {error}"),
+        )
+    })?;
+    let pause = pipeline.operator_pause();
+    Ok((
+        StatusCode::OK,
+        Json(json!({
+            "pipeline": name,
+            "paused": true,
+            "was_running": newly,
+            "reason": pause.as_ref().map(|pause| pause.reason.clone()),
+            "persistent": pause.is_some_and(|pause| pause.persistent),
+        })),
+    ))
+}
+
+/// `POST /admin/pipelines/{pipeline}/resume`: ends the pause here and, if one is recorded,
+/// on every host.
+async fn resume_pipeline(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Answer, Answer> {
+    let pipeline = state.pipeline(&name)?;
+    let database = state.databases.named(pipeline.config.database.as_deref());
+    let ended = operator::resume(pipeline, database)
+        .await
+        .map_err(|error| {
+            failed(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the recorded pause could not be cleared, still paused: {error}"),
+            )
+        })?;
+    Ok((
+        StatusCode::OK,
+        Json(json!({ "pipeline": name, "paused": false, "was_paused": ended.is_some() })),
+    ))
 }
 
 fn unix_seconds(time: SystemTime) -> f64 {

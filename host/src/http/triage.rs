@@ -1,6 +1,7 @@
 //! What failed and was kept aside, over HTTP for the console: a pipeline's dead letters
 //! (listed and grouped by error kind and reason, one shown whole, a selection replayed) and the
-//! outbox rows not delivered (parked ones made pending again). The same passes as `idem dlq`
+//! outbox rows not delivered (parked ones made pending again); dead letters discarded or
+//! archived (`operator`). The same passes as `idem dlq`
 //! and `idem outbox` (`source::dead_letters`, `store::outbox`).
 
 use std::collections::BTreeSet;
@@ -13,6 +14,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::{Answer, AppState, failed};
+use crate::operator::{self, ArchiveTo};
 use crate::source::{self, dead_letters, dead_letters::Action, dead_letters::Selection};
 use crate::store::outbox;
 
@@ -32,12 +34,24 @@ pub(super) struct Filter {
     /// Only these dead letters, by id.
     ids: Option<BTreeSet<String>>,
     limit: Option<u64>,
-    /// Replay: say what would move and move nothing.
+    /// Replay, discard, archive: say what would move and move nothing.
     #[serde(default)]
     dry_run: bool,
+    /// Discard: every dead letter, when no other filter is given.
+    #[serde(default)]
+    all: bool,
 }
 
 impl Filter {
+    /// Whether no filter is given: the selection is every dead letter.
+    fn is_everything(&self) -> bool {
+        self.kind.is_none()
+            && self.reason.is_none()
+            && self.since_seconds.is_none()
+            && self.ids.is_none()
+            && self.limit.is_none()
+    }
+
     fn selection(self, default_limit: Option<u64>) -> Selection {
         Selection {
             kind: self.kind,
@@ -172,6 +186,88 @@ pub(super) async fn replay(
             "ids": ids,
             "from": pipeline.dead_letter(),
             "to": pipeline.queue(),
+            "dry_run": dry_run,
+        })),
+    ))
+}
+
+/// `POST /admin/dead-letters/{pipeline}/discard` with a JSON filter (as replay's; `"all":
+/// true` when there is none): the selected dead letters removed for good.
+pub(super) async fn discard(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    Json(filter): Json<Filter>,
+) -> Result<Answer, Answer> {
+    let pipeline = &state.pipeline(&name)?.config;
+    if filter.is_everything() && !filter.all {
+        return Err(failed(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "no filter given: select dead letters (kind, reason, since_seconds, ids, limit) or say \"all\": true",
+        ));
+    }
+    let dry_run = filter.dry_run;
+    let action = if dry_run {
+        Action::Look
+    } else {
+        Action::Discard
+    };
+    let mut ids = Vec::new();
+    let passed = source::pass_dead_letters(pipeline, &filter.selection(None), action, |letter| {
+        ids.push(letter.id.clone())
+    })
+    .await;
+    let selected = ids.len();
+    passed.map_err(|error| {
+        failed(
+            StatusCode::BAD_GATEWAY,
+            format!("{error} ({selected} selected before it stopped)"),
+        )
+    })?;
+    if !dry_run {
+        tracing::warn!(pipeline = %name, discarded = selected, "Dead letters discarded from the console.");
+    }
+    Ok((
+        StatusCode::OK,
+        Json(json!({
+            "discarded": if dry_run { 0 } else { selected },
+            "selected": selected,
+            "ids": ids,
+            "from": pipeline.dead_letter(),
+            "dry_run": dry_run,
+        })),
+    ))
+}
+
+/// `POST /admin/dead-letters/{pipeline}/archive` with a JSON filter (as replay's): the
+/// selected dead letters written to the pipeline's database (`idem_dead_letters`), then
+/// removed.
+pub(super) async fn archive(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    Json(filter): Json<Filter>,
+) -> Result<Answer, Answer> {
+    let pipeline = &state.pipeline(&name)?.config;
+    let database = state.databases.named(pipeline.database.as_deref());
+    let to = ArchiveTo::Table {
+        pool: &database.pool,
+        tables: &database.tables,
+    };
+    let dry_run = filter.dry_run;
+    let report = operator::archive_dead_letters(pipeline, &filter.selection(None), to, dry_run)
+        .await
+        .map_err(|error| failed(StatusCode::BAD_GATEWAY, error))?;
+    if !dry_run {
+        tracing::warn!(pipeline = %name, archived = report.archived.len(), discarded = report.discarded, "Dead letters archived from the console.");
+    }
+    Ok((
+        StatusCode::OK,
+        Json(json!({
+            "archived": if dry_run { 0 } else { report.archived.len() },
+            "discarded": report.discarded,
+            "selected": report.archived.len(),
+            "ids": report.archived,
+            "from": pipeline.dead_letter(),
+            "to": database.tables.archive(),
             "dry_run": dry_run,
         })),
     ))

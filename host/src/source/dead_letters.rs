@@ -203,6 +203,9 @@ pub enum Action {
     /// came from the producer (without the host's `x-idem-*` diagnostics) and the replay
     /// counted in `x-idem-replays`: retries start over in the pipeline.
     Replay,
+    /// Remove the selected messages for good (after an archive kept them, or because they
+    /// will never be replayed).
+    Discard,
 }
 
 /// Waits until no other pass of this process reads `dead_letter` (a queue or a subject), and

@@ -704,6 +704,7 @@ async fn move_tables(
         there.claims(),
         there.outbox(),
         there.consumers(),
+        there.archive(),
         there.history(),
     ]
     .map(str::to_string)
@@ -878,7 +879,8 @@ pub async fn check_schema(
     let tables = Tables::of(config);
     let mut probes = vec![
         "SELECT consumer, message_key, processed_at, plugin_digest FROM {claims} LIMIT 0",
-        "SELECT consumer, retention_window, recorded_at FROM {consumers} LIMIT 0",
+        "SELECT consumer, retention_window, recorded_at, paused_at, pause_reason \
+         FROM {consumers} LIMIT 0",
     ];
     if outbox {
         probes.push(

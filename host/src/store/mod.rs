@@ -9,6 +9,8 @@
 //! - [`outbox`]: outbox rows, and the relay that delivers them after commit.
 //! - [`retention`], [`partition`]: old claims deleted in batches, or daily partitions dropped
 //!   whole.
+//! - [`pauses`]: operator pauses recorded for every host of a consumer; [`archive`]: dead
+//!   letters an operator archived.
 //! - [`database`]: connecting (URL, TLS, libpq's environment), the bookkeeping pool,
 //!   migrations, the schema check.
 //! - [`primary`]: which host of a multi-host URL takes writes, for the bookkeeping pool.
@@ -17,6 +19,7 @@
 //! - [`tables`]: where idem's own tables are (`[database] schema`), and the statements that
 //!   name them.
 
+pub mod archive;
 pub mod binding;
 pub mod bookkeeping;
 pub mod database;
@@ -24,6 +27,7 @@ pub mod fault;
 pub mod ledger;
 pub mod outbox;
 pub mod partition;
+pub mod pauses;
 pub mod primary;
 pub mod retention;
 pub mod session;

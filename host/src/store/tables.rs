@@ -17,6 +17,8 @@ const CLAIMS: &str = "processed_messages";
 const OUTBOX: &str = "idem_outbox";
 /// Every consumer's retention window.
 const CONSUMERS: &str = "idem_consumers";
+/// Dead letters archived by an operator.
+const ARCHIVE: &str = "idem_dead_letters";
 /// idem's migration history: its own, so an application's migrator (sqlx's
 /// `_sqlx_migrations`, Flyway's, Rails' …) never sees idem's versions, nor idem the
 /// application's.
@@ -100,6 +102,7 @@ pub struct Tables {
     claims: String,
     outbox: String,
     consumers: String,
+    archive: String,
     history: String,
     pub(crate) claim: String,
     pub(crate) partitioned_claim: String,
@@ -120,6 +123,7 @@ impl Tables {
             claims: qualified(CLAIMS),
             outbox: qualified(OUTBOX),
             consumers: qualified(CONSUMERS),
+            archive: qualified(ARCHIVE),
             history: qualified(HISTORY),
             claim: String::new(),
             partitioned_claim: String::new(),
@@ -133,7 +137,7 @@ impl Tables {
         tables
     }
 
-    /// `template` with `{claims}`, `{outbox}`, `{consumers}` and `{history}` replaced by
+    /// `template` with `{claims}`, `{outbox}`, `{consumers}`, `{archive}` and `{history}` replaced by
     /// those tables' qualified names, and `{schema}` by the schema's name as a string
     /// literal (the search path's first schema, `current_schema()`, without one).
     pub fn sql(&self, template: &str) -> String {
@@ -145,6 +149,7 @@ impl Tables {
             .replace("{claims}", &self.claims)
             .replace("{outbox}", &self.outbox)
             .replace("{consumers}", &self.consumers)
+            .replace("{archive}", &self.archive)
             .replace("{history}", &self.history)
             .replace("{schema}", &schema)
     }
@@ -162,6 +167,11 @@ impl Tables {
     /// The consumers' retention windows, qualified.
     pub fn consumers(&self) -> &str {
         &self.consumers
+    }
+
+    /// The archived dead letters, qualified.
+    pub fn archive(&self) -> &str {
+        &self.archive
     }
 
     /// idem's migration history, qualified.

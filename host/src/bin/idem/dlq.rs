@@ -1,17 +1,21 @@
-//! `idem dlq`: a pipeline's dead letters, looked at and replayed by selection.
+//! `idem dlq`: a pipeline's dead letters, looked at, and replayed, discarded or archived by
+//! selection.
 
 use std::path::Path;
 use std::process::ExitCode;
 
 use idem_host::config::{Config, PipelineConfig};
+use idem_host::operator::{self, ArchiveTo};
 use idem_host::source;
 use idem_host::source::dead_letters::{Action, PREVIEW_CHARS, Selection, cut_line};
+use idem_host::store::database;
+use idem_host::store::tables::Tables;
 
 use crate::ConfigArg;
 use crate::table::{format_age, print_table, printable};
 use crate::trial::pipeline_named;
 
-/// Dead letters: list, show, and replay by error kind, reason or age.
+/// Dead letters: list, show, and replay, discard or archive by error kind, reason, age or id.
 #[derive(clap::Args)]
 pub struct Args {
     #[command(subcommand)]
@@ -55,6 +59,33 @@ impl Args {
                 )
                 .await
             }
+            DlqArgs::Discard {
+                target,
+                filter,
+                all,
+                dry_run,
+            } => {
+                let config = Config::load(&target.config.config)?;
+                let pipeline = pipeline_named(&config, &target.pipeline)?;
+                discard(pipeline, filter, all, dry_run).await
+            }
+            DlqArgs::Archive {
+                target,
+                filter,
+                to,
+                dry_run,
+            } => {
+                let config = Config::load(&target.config.config)?;
+                let pipeline = pipeline_named(&config, &target.pipeline)?;
+                archive(
+                    &config,
+                    pipeline,
+                    &filter.selection(),
+                    to.as_deref(),
+                    dry_run,
+                )
+                .await
+            }
         }
     }
 }
@@ -90,6 +121,15 @@ struct DlqFilter {
 }
 
 impl DlqFilter {
+    /// Whether no filter is given: the selection is every dead letter.
+    fn is_everything(&self) -> bool {
+        self.kind.is_none()
+            && self.reason.is_none()
+            && self.since.is_none()
+            && self.limit.is_none()
+            && self.ids.is_empty()
+    }
+
     fn selection(self) -> Selection {
         Selection {
             kind: self.kind,
@@ -132,6 +172,34 @@ enum DlqArgs {
         #[command(flatten)]
         filter: DlqFilter,
         /// Show what would move; move nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Remove the matching dead letters for good (they will never be replayed). Without a
+    /// filter, --all is required.
+    Discard {
+        #[command(flatten)]
+        target: DlqTarget,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Every dead letter of the pipeline.
+        #[arg(long)]
+        all: bool,
+        /// Show what would go; remove nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Keep the matching dead letters in the database's idem_dead_letters table (or --to a
+    /// JSON-lines file), then remove them from the dead-letter queue or stream.
+    Archive {
+        #[command(flatten)]
+        target: DlqTarget,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Append them to this file as JSON lines instead of the table.
+        #[arg(long)]
+        to: Option<std::path::PathBuf>,
+        /// Show what would go; write and remove nothing.
         #[arg(long)]
         dry_run: bool,
     },
@@ -275,5 +343,103 @@ async fn replay(
             ""
         }
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn discard(
+    pipeline: &PipelineConfig,
+    filter: DlqFilter,
+    all: bool,
+    dry_run: bool,
+) -> anyhow::Result<ExitCode> {
+    if filter.is_everything() && !all {
+        eprintln!(
+            "idem dlq discard: no filter given; pass --kind, --reason, --since, --id or --limit, or --all to discard every dead letter of {:?}",
+            pipeline.name
+        );
+        return Ok(ExitCode::FAILURE);
+    }
+    let action = if dry_run {
+        Action::Look
+    } else {
+        Action::Discard
+    };
+    let verb = if dry_run {
+        "would discard"
+    } else {
+        "discarded"
+    };
+    let removed = source::pass_dead_letters(pipeline, &filter.selection(), action, |letter| {
+        println!(
+            "{verb} #{} ({}: {})",
+            letter.position,
+            printable(letter.kind.as_deref().unwrap_or("-"), false),
+            printable(
+                &cut_line(letter.reason.as_deref().unwrap_or("-"), 80),
+                false
+            )
+        );
+    })
+    .await?;
+    println!(
+        "{verb} {removed} message(s) from {:?}{}",
+        pipeline.dead_letter(),
+        if dry_run {
+            " (dry run: nothing removed)"
+        } else {
+            ""
+        }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn archive(
+    config: &Config,
+    pipeline: &PipelineConfig,
+    selection: &Selection,
+    to: Option<&Path>,
+    dry_run: bool,
+) -> anyhow::Result<ExitCode> {
+    let database_config = config.database_of(pipeline);
+    let tables = Tables::of(database_config);
+    let pool = match to {
+        Some(_) => None,
+        None => Some(database::connect_once(database_config).await?),
+    };
+    let target = match (&pool, to) {
+        (_, Some(path)) => ArchiveTo::File(path),
+        (Some(pool), None) => ArchiveTo::Table {
+            pool,
+            tables: &tables,
+        },
+        (None, None) => unreachable!("a pool is opened when no file is given"),
+    };
+    let report = operator::archive_dead_letters(pipeline, selection, target, dry_run).await?;
+    if let Some(pool) = pool {
+        pool.close().await;
+    }
+    let place = match to {
+        Some(path) => path.display().to_string(),
+        None => format!(
+            "{} in {}",
+            tables.archive(),
+            idem_host::store::database::label(pipeline.database.as_deref())
+        ),
+    };
+    if dry_run {
+        println!(
+            "would archive {} message(s) from {:?} to {place} (dry run: nothing written or removed)",
+            report.archived.len(),
+            pipeline.dead_letter()
+        );
+    } else {
+        println!(
+            "archived {} message(s) from {:?} to {place}; {} removed from {:?}",
+            report.archived.len(),
+            pipeline.dead_letter(),
+            report.discarded,
+            pipeline.dead_letter()
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }

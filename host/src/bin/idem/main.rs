@@ -14,6 +14,7 @@ mod migrate;
 mod new;
 mod outbox;
 mod partition;
+mod pause;
 mod replay;
 mod run;
 mod scaffold;
@@ -63,6 +64,8 @@ enum Command {
     Dlq(dlq::Args),
     Outbox(outbox::Args),
     Replay(replay::Args),
+    Pause(pause::PauseArgs),
+    Resume(pause::ResumeArgs),
     Status(status::Args),
     Wit(wit::Args),
     Schema(schema::Args),
@@ -141,6 +144,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Dlq(args) => args.run().await,
         Command::Outbox(args) => args.run().await,
         Command::Replay(args) => args.run().await,
+        Command::Pause(args) => args.run().await,
+        Command::Resume(args) => args.run().await,
         Command::Status(args) => args.run().await,
         Command::Wit(args) => args.run(),
         Command::Schema(args) => args.run(),

@@ -179,10 +179,16 @@ function drawChart(canvas, samples) {
 }
 
 function pipelineRow(pipeline, totals, retries) {
-  const state = pipeline.paused ? "paused" : pipeline.consuming ? "consuming" : "stopped";
-  const why = pipeline.paused
-    ? `${pipeline.paused.reason}${pipeline.paused.sqlstate ? ` (SQLSTATE ${pipeline.paused.sqlstate})` : ""}`
-    : "";
+  const held = pipeline.operator_pause;
+  const state = held ? "paused-by-operator" : pipeline.paused ? "paused" : pipeline.consuming ? "consuming" : "stopped";
+  const why = held
+    ? `paused by an operator${held.persistent ? " on every host" : " on this host"} since ${new Date(held.since * 1000).toLocaleString()}: ${held.reason}`
+    : pipeline.paused
+      ? `${pipeline.paused.reason}${pipeline.paused.sqlstate ? ` (SQLSTATE ${pipeline.paused.sqlstate})` : ""}`
+      : "";
+  const pauseButton = held
+    ? el("button", { type: "button", class: "resume", onclick: () => resumePipeline(pipeline.name) }, "Resume")
+    : el("button", { type: "button", class: "pause", onclick: () => pausePipeline(pipeline.name) }, "Pause");
   const plugin = pipeline.plugin;
   const loaded = new Date(plugin.loaded_at * 1000).toLocaleString();
   const reload = pipeline.last_reload_error
@@ -209,7 +215,8 @@ function pipelineRow(pipeline, totals, retries) {
     el("td", {}, canvas),
     el("td", { class: "mono" }, OUTCOMES.filter((outcome) => totals[outcome]).map((outcome) => el("div", { class: outcome }, `${outcome} ${totals[outcome]}`))),
     el("td", { class: "mono" }, retryText),
-    el("td", {}, el("button", { type: "button", class: "reload", onclick: () => reloadPlugin(pipeline.name) }, "Reload plugin")),
+    el("td", {}, el("button", { type: "button", class: "reload", onclick: () => reloadPlugin(pipeline.name) }, "Reload plugin"),
+      " ", pauseButton),
   );
   return { row, canvas };
 }
@@ -255,6 +262,37 @@ async function reloadPlugin(name) {
   refreshPipelines();
 }
 
+/** Asks the pause dialog; resolves to {reason, persist} or null when cancelled. */
+function askPause(name) {
+  const dialog = $("#pause-dialog");
+  $("#pause-text").textContent = `Pause pipeline ${name}? It settles the messages it started, then consumes nothing (what it prefetched goes back to the queue) until resumed.`;
+  $("#pause-reason").value = "";
+  $("#pause-persist").checked = false;
+  return new Promise((resolve) => {
+    dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok"
+      ? { reason: $("#pause-reason").value, persist: $("#pause-persist").checked }
+      : null), { once: true });
+    dialog.showModal();
+  });
+}
+
+async function pausePipeline(name) {
+  const asked = await askPause(name);
+  if (!asked) return;
+  const { status, body } = await api("POST", `/admin/pipelines/${encodeURIComponent(name)}/pause`, asked);
+  if (status === 200) notice(`${name}: paused${body.persistent ? " on every host, until resumed" : " on this host"}`);
+  else notice(`${name}: not paused: ${body.error || status}`, true);
+  refreshPipelines();
+}
+
+async function resumePipeline(name) {
+  if (!await confirmed(`Resume pipeline ${name}? Every host it was paused on consumes again.`, "Resume")) return;
+  const { status, body } = await api("POST", `/admin/pipelines/${encodeURIComponent(name)}/resume`);
+  if (status === 200) notice(`${name}: resumed`);
+  else notice(`${name}: not resumed: ${body.error || status}`, true);
+  refreshPipelines();
+}
+
 // --- dead letters -----------------------------------------------------------------------
 
 let letters = null; // the last list of the selected pipeline
@@ -293,7 +331,7 @@ async function refreshDeadLetters() {
     el("td", {}, group.kind ?? "-"),
     el("td", {}, group.reason ?? "-"),
     el("td", {}, age(group.newest_age_seconds)),
-    el("td", {}, el("button", { type: "button", class: "replay-group", onclick: () => replay(group.ids, group.count, `${group.kind}: ${group.reason}`) }, `Replay ${group.count}`)),
+    el("td", {}, ...DEAD_LETTER_ACTIONS.map((action) => el("button", { type: "button", class: `${action}-group`, onclick: () => act(action, group.ids, group.count, `${group.kind}: ${group.reason}`) }, `${ACTION_WORDS[action].button} ${group.count}`))),
   )));
   $("#dl-letters tbody").replaceChildren(...body.letters.map((letter) => el("tr", { class: "clickable", "data-id": letter.id, onclick: (event) => { if (event.target.tagName !== "INPUT") showLetter(letter.id); } },
     el("td", {}, el("input", { type: "checkbox", "data-id": letter.id, onchange: updateSelection })),
@@ -309,9 +347,11 @@ async function refreshDeadLetters() {
 
 function updateSelection() {
   const count = selectedIds().length;
-  const button = $("#dl-replay-selected");
-  button.disabled = count === 0;
-  button.textContent = count ? `Replay ${count} selected` : "Replay selected";
+  for (const action of DEAD_LETTER_ACTIONS) {
+    const button = $(`#dl-${action}-selected`);
+    button.disabled = count === 0;
+    button.textContent = count ? `${ACTION_WORDS[action].button} ${count} selected` : `${ACTION_WORDS[action].button} selected`;
+  }
 }
 
 async function showLetter(id) {
@@ -332,22 +372,47 @@ async function showLetter(id) {
   $("#dl-detail").scrollIntoView({ behavior: "smooth" });
 }
 
-function confirmed(text) {
+function confirmed(text, action = "Replay") {
   const dialog = $("#confirm");
   $("#confirm-text").textContent = text;
+  $("#confirm-ok").textContent = action;
   return new Promise((resolve) => {
     dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok"), { once: true });
     dialog.showModal();
   });
 }
 
-async function replay(ids, count, what) {
+const DEAD_LETTER_ACTIONS = ["replay", "archive", "discard"];
+const ACTION_WORDS = {
+  replay: { button: "Replay", done: "Replayed", count: "replayed" },
+  archive: { button: "Archive", done: "Archived", count: "archived" },
+  discard: { button: "Discard", done: "Discarded", count: "discarded" },
+};
+
+/** The question a dead-letter action asks before it is done. */
+function question(action, count, name, what) {
+  const from = letters ? letters.dead_letter : "the dead letters";
+  if (action === "replay") {
+    const target = letters ? `from ${letters.dead_letter} to ${letters.queue}` : "";
+    return `Replay ${count} message(s) of pipeline ${name} (${what}) ${target}? Messages applied before are recognised as duplicates.`;
+  }
+  if (action === "archive") {
+    return `Archive ${count} message(s) of pipeline ${name} (${what})? They are written whole to the database's idem_dead_letters table, then removed from ${from}.`;
+  }
+  return `Discard ${count} message(s) of pipeline ${name} (${what}) from ${from}? They are removed for good and cannot be replayed.`;
+}
+
+async function act(action, ids, count, what) {
   const name = $("#dl-pipeline").value;
-  const target = letters ? `from ${letters.dead_letter} to ${letters.queue}` : "";
-  if (!await confirmed(`Replay ${count} message(s) of pipeline ${name} (${what}) ${target}? Messages applied before are recognised as duplicates.`)) return;
-  const { status, body } = await api("POST", `/admin/dead-letters/${encodeURIComponent(name)}/replay`, { ids });
-  if (status === 200) notice(`Replayed ${body.replayed} message(s) from ${body.from} to ${body.to}.`);
-  else notice(`replay refused: ${body.error || status}`, true);
+  const words = ACTION_WORDS[action];
+  if (!await confirmed(question(action, count, name, what), words.button)) return;
+  const { status, body } = await api("POST", `/admin/dead-letters/${encodeURIComponent(name)}/${action}`, { ids });
+  if (status === 200) {
+    const where = action === "replay" ? ` from ${body.from} to ${body.to}` : action === "archive" ? ` to ${body.to}` : ` from ${body.from}`;
+    notice(`${words.done} ${body[words.count]} message(s)${where}.`);
+  } else {
+    notice(`${action} refused: ${body.error || status}`, true);
+  }
   $("#dl-detail").hidden = true;
   refreshDeadLetters();
 }
@@ -403,10 +468,12 @@ document.addEventListener("DOMContentLoaded", async () => {
     for (const box of document.querySelectorAll("#dl-letters input[data-id]")) box.checked = event.target.checked;
     updateSelection();
   });
-  $("#dl-replay-selected").addEventListener("click", () => {
-    const ids = selectedIds();
-    replay(ids, ids.length, "selected");
-  });
+  for (const action of DEAD_LETTER_ACTIONS) {
+    $(`#dl-${action}-selected`).addEventListener("click", () => {
+      const ids = selectedIds();
+      act(action, ids, ids.length, "selected");
+    });
+  }
   $("#dl-detail-close").addEventListener("click", () => { $("#dl-detail").hidden = true; });
   $("#outbox-refresh").addEventListener("click", refreshOutbox);
   $("#token-button").addEventListener("click", () => { declined = false; askToken("The admin token, kept for this browser session only."); });

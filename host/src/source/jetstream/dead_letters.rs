@@ -78,8 +78,19 @@ pub async fn pass(
         }
         selected += 1;
         seen(&letter);
-        if action == Action::Replay {
-            replay(&context, &stream, source, &stored, letter.replays + 1).await?;
+        match action {
+            Action::Look => {}
+            Action::Replay => {
+                replay(&context, &stream, source, &stored, letter.replays + 1).await?;
+            }
+            Action::Discard => {
+                stream
+                    .delete_message(stored.sequence)
+                    .await
+                    .map_err(|error| {
+                        request_error("discard from", &source.dead_letter_stream, error)
+                    })?;
+            }
         }
     }
     Ok(selected)

@@ -28,7 +28,7 @@ use crate::source::headers;
 pub const SCAN_BYTES: usize = 64 << 20;
 
 /// Goes once through the messages waiting in `pipeline`'s dead-letter queue, calls `seen`
-/// with each selected one (in queue order), replays it if `action` says so, and returns the
+/// with each selected one (in queue order), replays or discards it if `action` says so, and returns the
 /// rest to the queue in their order. Returns how many were selected.
 pub async fn pass(
     queues: &RabbitMqConfig,
@@ -88,7 +88,11 @@ pub async fn pass(
             }
             continue;
         }
-        if let Err(error) = replay(&channel, &receipt, &letter, queues).await {
+        let removed = match action {
+            Action::Discard => discard(&receipt, queues).await,
+            _ => replay(&channel, &receipt, &letter, queues).await,
+        };
+        if let Err(error) = removed {
             kept.push(receipt);
             outcome = Err(error);
             break;
@@ -171,6 +175,17 @@ async fn replay(
         });
     }
     Ok(())
+}
+
+/// Discards `receipt`'s dead letter: acked out of the queue, for good.
+async fn discard(receipt: &Receipt, queues: &RabbitMqConfig) -> Result<(), AmqpError> {
+    if receipt.ack().await {
+        return Ok(());
+    }
+    Err(AmqpError::Publish {
+        queue: queues.dead_letter_queue.clone(),
+        reason: "the dead letter could not be acked (the channel closed): it is still there".into(),
+    })
 }
 
 /// The original headers without the host's diagnostics of the last failure, with the replay
