@@ -22,7 +22,8 @@
 //!   exchanges.
 //! - [`http`], [`metrics`], [`sampler`]: the HTTP listener (`/metrics`, `/healthz`,
 //!   `/readyz`, `/admin/…`), the counters every layer records into, and the gauges sampled
-//!   from the sources and databases on an interval.
+//!   from the sources and databases on an interval; [`traces`]: a span per message, parented
+//!   by the producer's trace context and handed on to the outbox, exported over OTLP.
 //! - [`pipeline`]: a pipeline's parts put together (plugin, statements, sessions, pause);
 //!   [`reload`]: hot swap of its plugin (file watch, SIGHUP, admin call); [`operator`]: an
 //!   operator's pause and resume, on one host or recorded for all.
@@ -49,6 +50,7 @@ pub mod sandbox;
 pub mod source;
 pub mod store;
 pub mod tls;
+pub mod traces;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -17,6 +17,7 @@ use crate::pipeline::{Paused, Pipeline};
 use crate::sandbox::{LoadedPlugin, PluginError};
 use crate::store::fault;
 use crate::store::ledger::{self, BatchItem, ClaimOutcome, LedgerError, Plan};
+use crate::traces::MessageSpan;
 
 /// Longest idempotency key accepted; longer keys would not fit the claim's btree index.
 pub const MAX_KEY_BYTES: usize = 1024;
@@ -58,6 +59,14 @@ impl Disposition {
             Disposition::Requeue => "requeued",
         }
     }
+
+    /// Why the message failed, when it is dead-lettered.
+    fn error(&self) -> Option<&str> {
+        match self {
+            Disposition::DeadLetter { reason, .. } => Some(reason),
+            _ => None,
+        }
+    }
 }
 
 impl Settled {
@@ -78,27 +87,23 @@ pub async fn handle_delivery(
     attempt: u32,
     shutdown: &CancellationToken,
 ) -> Disposition {
-    let span = tracing::debug_span!(
-        "handle_delivery",
-        pipeline = %pipeline.config.name,
-        message_id = message.message_id.as_deref().unwrap_or(""),
-        attempt,
-        otel.kind = "consumer",
-        messaging.system = %message.source,
-    );
-    async {
+    let traced = MessageSpan::start(pipeline.name(), message, attempt);
+    let disposition = async {
         let (decision, plugin) = match decide(pipeline, message, attempt).await {
             Decided::Done(disposition) => return disposition,
             Decided::Apply { decision, plugin } => (decision, plugin),
         };
-        let plan = match plan(pipeline, &decision, &plugin) {
+        traced.decided(&decision.key, &plugin.digest);
+        let plan = match plan(pipeline, &decision, &plugin, &traced) {
             Ok(plan) => plan,
             Err(disposition) => return disposition,
         };
-        apply_one(pipeline, &plan, shutdown).await
+        apply_one(pipeline, &plan, shutdown, &traced).await
     }
-    .instrument(span)
-    .await
+    .instrument(traced.span().clone())
+    .await;
+    traced.ended(disposition.outcome(), disposition.error());
+    disposition
 }
 
 /// Applies one message's plan in its own transaction, retrying transient failures.
@@ -106,14 +111,17 @@ async fn apply_one(
     pipeline: &Pipeline,
     plan: &Plan<'_>,
     shutdown: &CancellationToken,
+    traced: &MessageSpan,
 ) -> Disposition {
     let mut retries = Retries::new(pipeline, shutdown);
+    let mut tries = 0;
     loop {
+        tries += 1;
         let started = Instant::now();
         let result = ledger::apply(&pipeline.sessions, &pipeline.config.transaction, plan).await;
-        pipeline
-            .metrics
-            .transaction_finished(pipeline.name(), started.elapsed());
+        let took = started.elapsed();
+        pipeline.metrics.transaction_finished(pipeline.name(), took);
+        traced.transaction(took, tries);
         match result {
             Err(error) if error.is_retried() => {
                 if let Some(give_up) = retries.failed(plan.key, &error).await {
@@ -142,28 +150,40 @@ pub async fn handle_batch(
         "handle_batch",
         pipeline = %pipeline.config.name,
         messages = messages.len(),
-        otel.kind = "consumer",
-        messaging.system = messages.first().map_or("", |(message, _)| message.source.as_str()),
     );
-    async {
+    let traced: Vec<MessageSpan> = messages
+        .iter()
+        .map(|(message, attempt)| MessageSpan::start(pipeline.name(), message, *attempt))
+        .collect();
+    let dispositions = async {
         let mut decided = Vec::with_capacity(messages.len());
-        for (message, attempt) in messages {
-            decided.push(decide(pipeline, message, *attempt).await);
+        for ((message, attempt), traced) in messages.iter().zip(&traced) {
+            let decision = decide(pipeline, message, *attempt)
+                .instrument(traced.span().clone())
+                .await;
+            if let Decided::Apply { decision, plugin } = &decision {
+                traced.decided(&decision.key, &plugin.digest);
+            }
+            decided.push(decision);
         }
         let mut dispositions: Vec<Option<Disposition>> = vec![None; messages.len()];
         let mut planned = Vec::with_capacity(messages.len());
         for (index, decided) in decided.iter().enumerate() {
             match decided {
                 Decided::Done(disposition) => dispositions[index] = Some(disposition.clone()),
-                Decided::Apply { decision, plugin } => match plan(pipeline, decision, plugin) {
-                    Ok(plan) => planned.push((index, plan)),
-                    Err(disposition) => dispositions[index] = Some(disposition),
-                },
+                Decided::Apply { decision, plugin } => {
+                    match plan(pipeline, decision, plugin, &traced[index]) {
+                        Ok(plan) => planned.push((index, plan)),
+                        Err(disposition) => dispositions[index] = Some(disposition),
+                    }
+                }
             }
         }
         if !planned.is_empty() {
             let plans: Vec<&Plan<'_>> = planned.iter().map(|(_, plan)| plan).collect();
-            match apply_together(pipeline, &plans, shutdown).await {
+            let spans: Vec<&MessageSpan> =
+                planned.iter().map(|(index, _)| &traced[*index]).collect();
+            match apply_together(pipeline, &plans, shutdown, &spans).await {
                 Ok(Some(items)) => {
                     for ((index, plan), item) in planned.iter().zip(items) {
                         let disposition = disposition_of(item);
@@ -173,7 +193,11 @@ pub async fn handle_batch(
                 }
                 Ok(None) => {
                     for (index, plan) in &planned {
-                        dispositions[*index] = Some(apply_one(pipeline, plan, shutdown).await);
+                        let traced = &traced[*index];
+                        let disposition = apply_one(pipeline, plan, shutdown, traced)
+                            .instrument(traced.span().clone())
+                            .await;
+                        dispositions[*index] = Some(disposition);
                     }
                 }
                 Err(requeue) => {
@@ -186,10 +210,14 @@ pub async fn handle_batch(
         dispositions
             .into_iter()
             .map(|disposition| disposition.unwrap_or(Disposition::Requeue))
-            .collect()
+            .collect::<Vec<_>>()
     }
     .instrument(span)
-    .await
+    .await;
+    for (disposition, traced) in dispositions.iter().zip(&traced) {
+        traced.ended(disposition.outcome(), disposition.error());
+    }
+    dispositions
 }
 
 /// Applies `plans` in one transaction, retrying what the database's state caused. `Ok(None)`
@@ -200,6 +228,7 @@ async fn apply_together(
     pipeline: &Pipeline,
     plans: &[&Plan<'_>],
     shutdown: &CancellationToken,
+    traced: &[&MessageSpan],
 ) -> Result<Option<Vec<BatchItem>>, Disposition> {
     let _one_batch_at_a_time = if plans.len() > 1 {
         Some(pipeline.batch_applier.lock().await)
@@ -207,13 +236,17 @@ async fn apply_together(
         None
     };
     let mut retries = Retries::new(pipeline, shutdown);
+    let mut tries = 0;
     loop {
+        tries += 1;
         let started = Instant::now();
         let result =
             ledger::apply_batch(&pipeline.sessions, &pipeline.config.transaction, plans).await;
-        pipeline
-            .metrics
-            .transaction_finished(pipeline.name(), started.elapsed());
+        let took = started.elapsed();
+        pipeline.metrics.transaction_finished(pipeline.name(), took);
+        for traced in traced {
+            traced.transaction(took, tries);
+        }
         match result {
             Ok(items) => {
                 retries.succeeded();
@@ -288,12 +321,14 @@ async fn decide(pipeline: &Pipeline, message: &InboundMessage, attempt: u32) -> 
 }
 
 /// Checks a decision's effects against the pipeline; a misfit rejects the message.
+/// The outbox rows carry the message span's trace context.
 fn plan<'a>(
     pipeline: &'a Pipeline,
     decision: &'a Decision,
     plugin: &'a LoadedPlugin,
+    traced: &MessageSpan,
 ) -> Result<Plan<'a>, Disposition> {
-    Plan::build(
+    let mut plan = Plan::build(
         &pipeline.config,
         &pipeline.statements,
         decision,
@@ -303,7 +338,11 @@ fn plan<'a>(
     .map_err(|error| Disposition::DeadLetter {
         error_kind: "invalid-effect",
         reason: error.to_string(),
-    })
+    })?;
+    if !plan.outbox.is_empty() {
+        plan.carry(traced.handed_on());
+    }
+    Ok(plan)
 }
 
 /// How long a paused pipeline waits between tries of the transaction that paused it.

@@ -22,5 +22,6 @@ mod queues;
 mod sandbox;
 mod schema_change;
 mod shared_database;
+mod traces;
 mod triage;
 mod trust;

@@ -68,7 +68,7 @@ async fn serve_endpoint() -> (u16, Shared) {
     (port, shared)
 }
 
-fn receipts_config(env: &TestEnv, destination: &str) -> String {
+pub(crate) fn receipts_config(env: &TestEnv, destination: &str) -> String {
     format!(
         r#"{header}
 [outbox]

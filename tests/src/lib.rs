@@ -7,6 +7,7 @@
 pub mod auto_failover;
 pub mod browser;
 pub mod jetstream;
+pub mod otlp;
 pub mod pg_cluster;
 pub mod pgbouncer;
 pub mod proxy;

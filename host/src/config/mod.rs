@@ -21,6 +21,7 @@ mod schema;
 mod source;
 mod text;
 mod tls;
+mod traces;
 
 pub use database::{DatabaseConfig, DatabaseTls, Hosts, Pooling, SYSTEM_ROOTS, SslMode};
 pub use http::HttpConfig;
@@ -36,6 +37,7 @@ pub use source::jetstream::{ConsumerStart, JetStreamConfig, subject_matches};
 pub use source::rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqConfig};
 pub use text::{parse_duration, redact_url};
 pub use tls::ClientTls;
+pub use traces::{OtlpProtocol, TracesConfig};
 
 use outbox::RawOutbox;
 use pipeline::RawPipeline;
@@ -58,6 +60,8 @@ pub struct Config {
     pub outbox: Option<OutboxConfig>,
     /// The `[plugin_pool]` table.
     pub plugin_pool: PluginPoolConfig,
+    /// The `[traces]` table: OpenTelemetry export; none when absent.
+    pub traces: Option<TracesConfig>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +108,9 @@ struct PipelinesFile {
     outbox: Option<Spanned<RawOutbox>>,
     /// wasmtime's pooling allocator for plugin instances.
     plugin_pool: Option<PluginPoolConfig>,
+    /// OpenTelemetry traces over OTLP (`idem run`); the standard `OTEL_*` variables win.
+    #[schemars(with = "Option<TracesConfig>")]
+    traces: Option<Spanned<TracesConfig>>,
 }
 
 impl Config {
@@ -142,6 +149,10 @@ impl Config {
             .outbox
             .map(|table| RawOutbox::checked(table, amqp.as_ref(), &document))
             .transpose()?;
+        let traces = file
+            .traces
+            .map(|table| TracesConfig::checked(table, &document))
+            .transpose()?;
         if file.pipelines.is_empty() {
             return Err(document.invalid("no pipelines: add a [pipelines.<name>] table"));
         }
@@ -160,6 +171,7 @@ impl Config {
             pipelines,
             outbox,
             plugin_pool: file.plugin_pool.unwrap_or_default(),
+            traces,
         })
     }
 

@@ -250,6 +250,44 @@ fn errors_name_line_and_key() {
         &format!("{VALID}\n[http]\nhosts = [\"idem.internal:9464\"]\n"),
         &["line 15", "http.hosts", "not a host name"],
     );
+    check_error(
+        &format!("{VALID}\n[traces]\notlp_endpoint = \"collector:4317\"\n"),
+        &[
+            "line 15",
+            "traces.otlp_endpoint",
+            "not an http:// or https:// URL",
+        ],
+    );
+    check_error(
+        &format!("{VALID}\n[traces]\nprotocol = \"http/json\"\n"),
+        &[
+            "line 16",
+            "protocol = \"http/json\"",
+            "grpc",
+            "http/protobuf",
+        ],
+    );
+}
+
+/// `[traces]`: absent is off; the endpoint and protocol as written.
+#[test]
+fn a_traces_table() {
+    let config = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), VALID).expect("valid");
+    assert_eq!(config.traces, None);
+    let config = Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &format!(
+            "{VALID}\n[traces]\notlp_endpoint = \"http://collector:4317\"\nprotocol = \"grpc\"\n"
+        ),
+    )
+    .expect("valid");
+    assert_eq!(
+        config.traces,
+        Some(TracesConfig {
+            otlp_endpoint: Some("http://collector:4317".into()),
+            protocol: Some(OtlpProtocol::Grpc),
+        })
+    );
 }
 
 #[test]
@@ -385,6 +423,7 @@ fn the_schema_names_every_table_and_pipeline_key() {
         "pipelines",
         "outbox",
         "plugin_pool",
+        "traces",
     ] {
         assert!(
             top.contains(&table.to_string()),

@@ -21,18 +21,19 @@ pub(super) struct Publisher {
 }
 
 impl Publisher {
-    /// Publishes `row` to `exchange` on `broker` under `routing_key`; `Ok` once the broker
-    /// confirmed it.
+    /// Publishes `row` with `sent_headers` to `exchange` on `broker` under `routing_key`;
+    /// `Ok` once the broker confirmed it.
     pub async fn deliver(
         &mut self,
         broker: &AmqpConfig,
         exchange: &str,
         routing_key: &str,
         row: &Taken,
+        sent_headers: &[(String, String)],
     ) -> Result<(), DeliveryError> {
         let channel = self.channel(broker).await?;
         let mut headers = FieldTable::default();
-        for (name, value) in &row.headers {
+        for (name, value) in sent_headers {
             headers.insert(
                 ShortString::from(name.as_str()),
                 AMQPValue::LongString(value.as_str().into()),

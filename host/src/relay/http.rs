@@ -55,25 +55,25 @@ pub fn http_clients(
     Ok(clients)
 }
 
-/// `POST`s `row` to `url` with `client`; `Ok` on a 2xx answer.
+/// `POST`s `row` with `headers` to `url` with `client`; `Ok` on a 2xx answer.
 pub(super) async fn deliver(
     client: &reqwest::Client,
     url: &str,
     timeout: Duration,
     row: &Taken,
+    headers: &[(String, String)],
 ) -> Result<(), DeliveryError> {
     let mut request = client
         .post(url)
         .timeout(timeout)
         .header("Idempotency-Key", &row.idempotency_key);
-    let has_content_type = row
-        .headers
+    let has_content_type = headers
         .iter()
         .any(|(name, _)| name.eq_ignore_ascii_case("content-type"));
     if !has_content_type {
         request = request.header("Content-Type", "application/octet-stream");
     }
-    for (name, value) in &row.headers {
+    for (name, value) in headers {
         request = request.header(name, value);
     }
     let response = request

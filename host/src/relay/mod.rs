@@ -18,7 +18,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::backoff::{Backoff, Schedule};
 use crate::config::{Destination, OutboxConfig};
@@ -26,6 +26,7 @@ use crate::metrics::Metrics;
 use crate::store::database::Database;
 use crate::store::outbox::{self, Attempt, Taken};
 use crate::store::tables::Tables;
+use crate::traces::{self, TraceContext};
 
 pub use http::{DestinationError, http_clients};
 
@@ -164,6 +165,7 @@ impl Relay {
         for row in &rows {
             let attempt = match self.deliver(row).await {
                 Ok(()) => {
+                    debug!(id = row.id, destination = %row.destination, "Outbox row delivered.");
                     self.metrics.outbox_delivered(&row.destination, "delivered");
                     Attempt::Delivered
                 }
@@ -190,8 +192,33 @@ impl Relay {
         Ok(rows.len())
     }
 
-    /// Hands one row to its destination; `Ok` only once the destination confirmed it.
+    /// Hands one row to its destination, in a span of its own (a child of the message span
+    /// that wrote the row) whose context goes with it; `Ok` only once the destination
+    /// confirmed it.
     async fn deliver(&mut self, row: &Taken) -> Result<(), DeliveryError> {
+        let (span, trace) = traces::delivery_span(
+            &row.destination,
+            &row.idempotency_key,
+            row.id,
+            row.attempts + 1,
+            row.trace.as_ref(),
+        );
+        let headers = outgoing_headers(row, trace);
+        let delivered = self
+            .deliver_to(row, &headers)
+            .instrument(span.clone())
+            .await;
+        if let Err(error) = &delivered {
+            traces::failed(&span, &error.to_string());
+        }
+        delivered
+    }
+
+    async fn deliver_to(
+        &mut self,
+        row: &Taken,
+        headers: &[(String, String)],
+    ) -> Result<(), DeliveryError> {
         let destination = self
             .config
             .destinations
@@ -203,13 +230,41 @@ impl Relay {
                     .http
                     .get(&row.destination)
                     .ok_or_else(|| DeliveryError::NoClient(row.destination.clone()))?;
-                http::deliver(client, url, *timeout, row).await
+                http::deliver(client, url, *timeout, row, headers).await
             }
             Destination::Amqp {
                 broker,
                 exchange,
                 routing_key,
-            } => self.amqp.deliver(broker, exchange, routing_key, row).await,
+            } => {
+                self.amqp
+                    .deliver(broker, exchange, routing_key, row, headers)
+                    .await
+            }
         }
     }
+}
+
+/// The headers a delivery sends: the row's, with the trace context's (`traceparent`,
+/// `tracestate`) in place of any the plugin set.
+fn outgoing_headers(row: &Taken, trace: Option<TraceContext>) -> Vec<(String, String)> {
+    let Some(trace) = trace else {
+        return row.headers.clone();
+    };
+    let mut headers: Vec<(String, String)> = row
+        .headers
+        .iter()
+        .filter(|(name, _)| {
+            !name.eq_ignore_ascii_case(traces::TRACEPARENT)
+                && !name.eq_ignore_ascii_case(traces::TRACESTATE)
+        })
+        .cloned()
+        .collect();
+    headers.extend(
+        trace
+            .headers()
+            .into_iter()
+            .map(|(name, value)| (name.to_string(), value.to_string())),
+    );
+    headers
 }

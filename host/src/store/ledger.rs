@@ -127,6 +127,9 @@ pub struct Plan<'a> {
     pub outbox: Vec<OutboxRow>,
     /// The consumer name the outbox rows record.
     pub consumer: &'a str,
+    /// The W3C trace context the outbox rows carry to their deliveries (`crate::traces`).
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 /// A decision that cannot become a transaction: the message is rejected, nothing runs.
@@ -199,7 +202,19 @@ impl<'a> Plan<'a> {
             effects,
             outbox,
             consumer: &config.consumer,
+            traceparent: None,
+            tracestate: None,
         })
+    }
+}
+
+impl Plan<'_> {
+    /// Makes the outbox rows carry `trace` to their deliveries.
+    pub fn carry(&mut self, trace: Option<crate::traces::TraceContext>) {
+        (self.traceparent, self.tracestate) = match trace {
+            Some(trace) => (Some(trace.traceparent), trace.tracestate),
+            None => (None, None),
+        };
     }
 }
 
@@ -807,6 +822,8 @@ impl<'p> Work<'p> {
                         &row.idempotency_key,
                         &row.payload,
                         &row.headers,
+                        &self.plan.traceparent,
+                        &self.plan.tracestate,
                     ],
                     "outbox",
                     Origin::Host,

@@ -15,6 +15,7 @@ use crate::store::tables::Tables;
 
 use crate::config::OutboxConfig;
 use crate::effect::OutboxMessage;
+use crate::traces::TraceContext;
 
 /// Rows of one message's outbox effects, checked against the configured destinations.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,7 +37,8 @@ pub enum OutboxError {
 }
 
 /// Pending rows this relay may take; rows another relay holds are skipped, not waited for.
-const TAKE_SQL: &str = "SELECT id, destination, idempotency_key, payload, headers, attempts \
+const TAKE_SQL: &str = "SELECT id, destination, idempotency_key, payload, headers, attempts, \
+       traceparent, tracestate \
      FROM {outbox} \
      WHERE delivered_at IS NULL AND parked_at IS NULL AND next_attempt_at <= now() \
      ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED";
@@ -103,6 +105,8 @@ pub struct Taken {
     pub headers: Vec<(String, String)>,
     /// Attempts made before this one.
     pub attempts: i32,
+    /// The trace context of the message span that wrote it.
+    pub trace: Option<TraceContext>,
 }
 
 /// How one attempt at a row ended.
@@ -155,6 +159,12 @@ pub async fn take(
                 })
                 .unwrap_or_default(),
             attempts: row.try_get("attempts")?,
+            trace: row
+                .try_get::<Option<String>, _>("traceparent")?
+                .map(|traceparent| TraceContext {
+                    traceparent,
+                    tracestate: row.try_get("tracestate").unwrap_or_default(),
+                }),
         });
     }
     Ok((transaction, taken))

@@ -75,8 +75,8 @@ const BULK_CLAIM: &str = concat!(
 /// row, from a pipeline without a claim, changes nothing. `$1` the consumer, `$2` the
 /// message's key, then the row's fields in order.
 const OUTBOX_INSERT: &str = "INSERT INTO {outbox} \
-     (consumer, message_key, destination, idempotency_key, payload, headers) \
-     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT ON CONSTRAINT idem_outbox_once DO NOTHING";
+     (consumer, message_key, destination, idempotency_key, payload, headers, traceparent, tracestate) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT ON CONSTRAINT idem_outbox_once DO NOTHING";
 
 /// The parameter types of the single claims (`claim`, `partitioned_claim`), for their unnamed
 /// statements behind a transaction pooler.
@@ -84,13 +84,15 @@ pub(crate) const CLAIM_TYPES: [Type; 3] = [Type::TEXT, Type::TEXT, Type::TEXT];
 /// `bulk_claim`'s parameter types.
 pub(crate) const BULK_CLAIM_TYPES: [Type; 3] = [Type::TEXT, Type::TEXT_ARRAY, Type::TEXT_ARRAY];
 /// `outbox_insert`'s parameter types.
-pub(crate) const OUTBOX_INSERT_TYPES: [Type; 6] = [
+pub(crate) const OUTBOX_INSERT_TYPES: [Type; 8] = [
     Type::TEXT,
     Type::TEXT,
     Type::TEXT,
     Type::TEXT,
     Type::BYTEA,
     Type::JSONB,
+    Type::TEXT,
+    Type::TEXT,
 ];
 
 /// idem's tables in one database, and the statements of the message transactions that

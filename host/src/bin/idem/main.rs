@@ -29,6 +29,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use idem_host::traces::TraceExport;
 
 /// Exactly-once database effects from at-least-once message delivery.
 #[derive(Parser)]
@@ -102,7 +103,6 @@ fn each_database(
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing(cli.log_format, cli.command.log_level());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -113,7 +113,18 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(dispatch(cli.command)) {
+    let log_format = cli.log_format;
+    let ran = match cli.command {
+        // `idem run` exports traces when its file or the OTEL_* variables say so.
+        Command::Run(args) => args.main(&runtime, |traces| {
+            init_tracing(log_format, "info", traces);
+        }),
+        command => {
+            init_tracing(log_format, command.log_level(), None);
+            runtime.block_on(dispatch(command))
+        }
+    };
+    match ran {
         Ok(code) => code,
         Err(error) => {
             eprintln!("idem: {error:#}");
@@ -136,7 +147,7 @@ impl Command {
 
 async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Run(args) => args.run().await,
+        Command::Run(_) => unreachable!("`idem run` starts in main, with its trace export"),
         Command::Migrate(args) => args.run().await,
         Command::Check(args) => args.run().await,
         Command::Cleanup(args) => args.run().await,
@@ -157,17 +168,23 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn init_tracing(format: LogFormat, level: &str) {
+/// Logs to stderr, filtered by `RUST_LOG` (else `level`); with `traces`, the host's spans
+/// are exported too, whatever `RUST_LOG` says.
+fn init_tracing(format: LogFormat, level: &str, traces: Option<&TraceExport>) {
+    use tracing_subscriber::prelude::*;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         // lapin logs every failed connection attempt as an error of its own; the host says
         // what failed and what it does about it (`RUST_LOG=lapin=debug` shows lapin's side).
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},lapin=off")));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let logs = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+    let logs = match format {
+        LogFormat::Text => logs.boxed(),
+        LogFormat::Json => logs.json().boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(traces.map(TraceExport::layer))
+        .with(logs.with_filter(filter))
+        .init();
 }

@@ -3,7 +3,9 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context;
 use idem_host::config::Config;
+use idem_host::traces::TraceExport;
 
 use crate::ConfigArg;
 
@@ -19,8 +21,32 @@ pub struct Args {
 }
 
 impl Args {
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
+    /// Loads the file, starts the trace export it or the `OTEL_*` variables ask for, has
+    /// `init_logs` set up logging with it, runs the host on `runtime` until a signal, then
+    /// sends the last spans.
+    pub fn main(
+        self,
+        runtime: &tokio::runtime::Runtime,
+        init_logs: impl FnOnce(Option<&TraceExport>),
+    ) -> anyhow::Result<ExitCode> {
         let config = Config::load(&self.config.config)?;
+        // The gRPC exporter's connection runs on the runtime.
+        let traces = {
+            let _runtime = runtime.enter();
+            TraceExport::start(config.traces.as_ref()).context("traces")?
+        };
+        init_logs(traces.as_ref());
+        if let Some(traces) = &traces {
+            tracing::info!(to = traces.destination(), "Exporting traces over OTLP.");
+        }
+        let ran = runtime.block_on(self.run(config));
+        if let Some(traces) = traces {
+            traces.shutdown();
+        }
+        ran
+    }
+
+    async fn run(self, config: Config) -> anyhow::Result<ExitCode> {
         let shutdown_timeout = self.shutdown_timeout;
         let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel();
         let shutdown = async move {

@@ -1,0 +1,508 @@
+//! OpenTelemetry traces: one span per message, its parent the producer's W3C trace context
+//! (`traceparent`/`tracestate` headers of an AMQP or NATS message), its context written with
+//! every outbox row and sent on the row's delivery; exported over OTLP when turned on.
+//!
+//! Export is off by default. The standard variables turn it on and configure it
+//! (`OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, or
+//! `OTEL_TRACES_EXPORTER=otlp`; `OTEL_EXPORTER_OTLP_PROTOCOL` `grpc` or `http/protobuf`; the
+//! headers, timeout, compression, sampler, batch and resource variables), and so does the
+//! `[traces]` table, which the variables override. With export off the spans are still
+//! logged, and a message's received trace context is handed on unchanged to its outbox rows.
+
+use std::time::Duration;
+
+use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
+use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing::subscriber::Interest;
+use tracing::{Level, Metadata, Span, Subscriber, field};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::Layer;
+use tracing_subscriber::filter::LevelFilter;
+use tracing_subscriber::layer::{Context, Filter};
+use tracing_subscriber::registry::LookupSpan;
+
+use crate::config::{OtlpProtocol, TracesConfig};
+use crate::message::InboundMessage;
+
+/// The W3C header that carries the trace and parent span ids.
+pub const TRACEPARENT: &str = "traceparent";
+/// The W3C header that carries vendor trace state.
+pub const TRACESTATE: &str = "tracestate";
+
+/// A W3C trace context as it travels: in message headers, outbox rows and deliveries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceContext {
+    pub traceparent: String,
+    pub tracestate: Option<String>,
+}
+
+impl TraceContext {
+    /// The context a producer put in `headers` (names compared without case), if it is a
+    /// valid one; a malformed `traceparent` is ignored, as the W3C specification says.
+    pub fn from_headers(headers: &[(String, String)]) -> Option<TraceContext> {
+        let value = |name: &str| {
+            headers
+                .iter()
+                .find(|(key, _)| key.eq_ignore_ascii_case(name))
+                .map(|(_, value)| value.clone())
+        };
+        let received = TraceContext {
+            traceparent: value(TRACEPARENT)?,
+            tracestate: value(TRACESTATE).filter(|state| !state.is_empty()),
+        };
+        received.is_valid().then_some(received)
+    }
+
+    /// The headers that carry it.
+    pub fn headers(&self) -> Vec<(&'static str, &str)> {
+        let mut headers = vec![(TRACEPARENT, self.traceparent.as_str())];
+        if let Some(state) = &self.tracestate {
+            headers.push((TRACESTATE, state.as_str()));
+        }
+        headers
+    }
+
+    fn is_valid(&self) -> bool {
+        self.context().span().span_context().is_valid()
+    }
+
+    /// As an OpenTelemetry context, to parent a span with.
+    fn context(&self) -> opentelemetry::Context {
+        TraceContextPropagator::new().extract(self)
+    }
+
+    /// The context of `cx`'s span, if it has a valid one.
+    fn of(cx: &opentelemetry::Context) -> Option<TraceContext> {
+        if !cx.span().span_context().is_valid() {
+            return None;
+        }
+        let mut carried = Carrier::default();
+        TraceContextPropagator::new().inject_context(cx, &mut carried);
+        Some(TraceContext {
+            traceparent: carried.traceparent?,
+            tracestate: carried.tracestate.filter(|state| !state.is_empty()),
+        })
+    }
+}
+
+impl Extractor for TraceContext {
+    fn get(&self, key: &str) -> Option<&str> {
+        match key {
+            TRACEPARENT => Some(&self.traceparent),
+            TRACESTATE => self.tracestate.as_deref(),
+            _ => None,
+        }
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        vec![TRACEPARENT, TRACESTATE]
+    }
+}
+
+#[derive(Default)]
+struct Carrier {
+    traceparent: Option<String>,
+    tracestate: Option<String>,
+}
+
+impl Injector for Carrier {
+    fn set(&mut self, key: &str, value: String) {
+        match key {
+            TRACEPARENT => self.traceparent = Some(value),
+            TRACESTATE => self.tracestate = Some(value),
+            _ => {}
+        }
+    }
+}
+
+/// One message's span: a consumer span named `process <queue>`, the producer's span its
+/// parent, with the message's key, plugin build, transaction timing and outcome recorded as
+/// they become known.
+pub struct MessageSpan {
+    span: Span,
+    received: Option<TraceContext>,
+}
+
+impl MessageSpan {
+    /// The span's log fields are few (name, pipeline, key, outcome); the semantic attributes
+    /// go to the exported span only.
+    pub fn start(pipeline: &str, message: &InboundMessage, attempt: u32) -> MessageSpan {
+        let span = tracing::info_span!(
+            parent: None,
+            "message",
+            otel.name = %format_args!("process {}", message.queue),
+            otel.kind = "consumer",
+            otel.status_code = field::Empty,
+            otel.status_message = field::Empty,
+            pipeline,
+            idem.key = field::Empty,
+            idem.outcome = field::Empty,
+        );
+        let received = TraceContext::from_headers(&message.headers);
+        adopt(&span, received.as_ref());
+        span.set_attribute("messaging.system", message.source.clone());
+        span.set_attribute("messaging.operation.name", "process");
+        span.set_attribute("messaging.destination.name", message.queue.clone());
+        if let Some(id) = &message.message_id {
+            span.set_attribute("messaging.message.id", id.clone());
+        }
+        span.set_attribute("idem.attempt", i64::from(attempt));
+        MessageSpan { span, received }
+    }
+
+    pub fn span(&self) -> &Span {
+        &self.span
+    }
+
+    /// The plugin decided: the idempotency key and the build that made the decision.
+    pub fn decided(&self, key: &str, plugin_digest: &str) {
+        self.span.record("idem.key", key);
+        self.span
+            .set_attribute("idem.plugin.digest", plugin_digest.to_string());
+    }
+
+    /// The message's transaction committed (or gave up) after `tries`, the last one taking
+    /// `took`.
+    pub fn transaction(&self, took: Duration, tries: u32) {
+        self.span
+            .set_attribute("idem.transaction.duration_ms", took.as_secs_f64() * 1000.0);
+        self.span
+            .set_attribute("idem.transaction.tries", i64::from(tries));
+    }
+
+    /// How the message ended; `error` for a dead letter's reason.
+    pub fn ended(&self, outcome: &str, error: Option<&str>) {
+        self.span.record("idem.outcome", outcome);
+        if let Some(error) = error {
+            failed(&self.span, error);
+        }
+    }
+
+    /// The context the message's outbox rows carry (see [`handed_on`]).
+    pub fn handed_on(&self) -> Option<TraceContext> {
+        handed_on(&self.span, self.received.as_ref())
+    }
+}
+
+/// The span of one outbox delivery (`send <destination>`, a producer span), a child of the
+/// message span that wrote the row, and the context the delivery sends.
+pub fn delivery_span(
+    destination: &str,
+    key: &str,
+    row: i64,
+    attempt: i32,
+    written: Option<&TraceContext>,
+) -> (Span, Option<TraceContext>) {
+    let span = tracing::info_span!(
+        parent: None,
+        "deliver",
+        otel.name = %format_args!("send {destination}"),
+        otel.kind = "producer",
+        otel.status_code = field::Empty,
+        otel.status_message = field::Empty,
+        destination,
+    );
+    adopt(&span, written);
+    span.set_attribute("messaging.operation.name", "send");
+    span.set_attribute("idem.outbox.id", row);
+    span.set_attribute("idem.outbox.key", key.to_string());
+    span.set_attribute("idem.outbox.attempt", i64::from(attempt));
+    let sent = handed_on(&span, written);
+    (span, sent)
+}
+
+/// Marks `span` failed, with `error` as its status message.
+pub fn failed(span: &Span, error: &str) {
+    span.record("otel.status_code", "error");
+    span.record("otel.status_message", error);
+}
+
+/// Makes `span` (not yet entered) a child of the producer's span, when there is one.
+pub fn adopt(span: &Span, received: Option<&TraceContext>) {
+    if let Some(received) = received {
+        // Fails only when export is off (no layer) or the span is disabled: nothing to link.
+        let _ = span.set_parent(received.context());
+    }
+}
+
+/// The context to hand on from `span` (an outbox row's, a delivery's headers): the span's
+/// own when traces are exported, else the one received, unchanged.
+pub fn handed_on(span: &Span, received: Option<&TraceContext>) -> Option<TraceContext> {
+    TraceContext::of(&span.context()).or_else(|| received.cloned())
+}
+
+/// Why traces cannot be exported as configured: the host does not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TracesError {
+    #[error(
+        "{variable}={value:?} is not supported: idem exports traces over OTLP with \"grpc\" or \"http/protobuf\""
+    )]
+    Protocol {
+        variable: &'static str,
+        value: String,
+    },
+    #[error(
+        "OTEL_TRACES_EXPORTER={0:?} is not supported: idem exports traces with \"otlp\" (or \"none\")"
+    )]
+    Exporter(String),
+    #[error("cannot set up the OTLP trace exporter: {0}")]
+    Build(String),
+}
+
+/// Exported traces: the tracer provider behind the spans' layer. [`TraceExport::shutdown`]
+/// sends what is still batched.
+pub struct TraceExport {
+    provider: SdkTracerProvider,
+    /// Where spans go, for the log line.
+    destination: String,
+}
+
+impl TraceExport {
+    /// Export as the `OTEL_*` variables and `config` say; `None` when off. With gRPC, call
+    /// it inside the Tokio runtime the exporter's connection will run on.
+    pub fn start(config: Option<&TracesConfig>) -> Result<Option<TraceExport>, TracesError> {
+        let var = |name: &str| std::env::var(name).ok().filter(|value| !value.is_empty());
+        if var("OTEL_SDK_DISABLED").is_some_and(|value| value.eq_ignore_ascii_case("true")) {
+            return Ok(None);
+        }
+        let chosen = match var("OTEL_TRACES_EXPORTER") {
+            Some(value) if value.eq_ignore_ascii_case("none") => return Ok(None),
+            Some(value) if value.eq_ignore_ascii_case("otlp") => true,
+            Some(value) => return Err(TracesError::Exporter(value)),
+            None => false,
+        };
+        let env_endpoint = var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            .or_else(|| var("OTEL_EXPORTER_OTLP_ENDPOINT"));
+        let config_endpoint = config.and_then(|config| config.otlp_endpoint.clone());
+        if !chosen && env_endpoint.is_none() && config_endpoint.is_none() {
+            return Ok(None);
+        }
+        let protocol = protocol(config)?;
+        // The variables win; the table's endpoint is a base URL, as the variable's.
+        let endpoint = config_endpoint.filter(|_| env_endpoint.is_none());
+        let built = match protocol {
+            OtlpProtocol::Grpc => {
+                let builder = opentelemetry_otlp::SpanExporter::builder().with_tonic();
+                match &endpoint {
+                    Some(endpoint) => builder.with_endpoint(endpoint.clone()).build(),
+                    None => builder.build(),
+                }
+            }
+            OtlpProtocol::HttpProtobuf => {
+                let builder = opentelemetry_otlp::SpanExporter::builder()
+                    .with_http()
+                    .with_protocol(Protocol::HttpBinary);
+                match &endpoint {
+                    Some(endpoint) => builder
+                        .with_endpoint(format!("{}/v1/traces", endpoint.trim_end_matches('/')))
+                        .build(),
+                    None => builder.build(),
+                }
+            }
+        };
+        let exporter = built.map_err(|error| TracesError::Build(error.to_string()))?;
+        let mut resource = Resource::builder();
+        let named = var("OTEL_SERVICE_NAME").is_some()
+            || var("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|text| text.contains("service.name="));
+        if !named {
+            resource = resource.with_service_name("idem");
+        }
+        let resource = resource
+            .with_attribute(opentelemetry::KeyValue::new(
+                "service.version",
+                env!("CARGO_PKG_VERSION"),
+            ))
+            .build();
+        let provider = SdkTracerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_resource(resource)
+            .build();
+        let destination = format!(
+            "{} ({})",
+            env_endpoint
+                .or(endpoint)
+                .map(|url| crate::config::redact_url(&url))
+                .unwrap_or_else(|| "the default endpoint".into()),
+            match protocol {
+                OtlpProtocol::Grpc => "grpc",
+                OtlpProtocol::HttpProtobuf => "http/protobuf",
+            }
+        );
+        Ok(Some(TraceExport {
+            provider,
+            destination,
+        }))
+    }
+
+    /// Where spans go, for the startup line.
+    pub fn destination(&self) -> &str {
+        &self.destination
+    }
+
+    /// The layer that turns the host's spans (target `idem_host`, `INFO` and above) into
+    /// OpenTelemetry spans; the clients' own spans (lapin, sqlx, the exporter's) stay out.
+    ///
+    /// The filter is asked at every span, never cached per call site: a per-layer filter
+    /// whose answer is cached reads a per-thread verdict that `tracing::enabled!` (sqlx asks
+    /// it before each query) can leave behind, and would then miss the relay's spans.
+    pub fn layer<S>(&self) -> impl Layer<S> + use<S>
+    where
+        S: Subscriber + for<'span> LookupSpan<'span>,
+    {
+        tracing_opentelemetry::layer()
+            .with_tracer(self.provider.tracer("idem"))
+            .with_filter(HostSpans)
+    }
+
+    /// Sends the spans still batched (bounded: a collector that does not answer delays the
+    /// exit by at most 5 s). Call it outside the runtime's threads, before it stops.
+    pub fn shutdown(self) {
+        if let Err(error) = self.provider.shutdown_with_timeout(Duration::from_secs(5)) {
+            eprintln!("idem: traces: the last spans were not exported: {error}");
+        }
+    }
+}
+
+/// The trace layer's filter: the host's spans and events at `INFO` and above, asked every
+/// time (`Interest::sometimes`) rather than cached per call site.
+struct HostSpans;
+
+impl HostSpans {
+    fn takes(metadata: &Metadata<'_>) -> bool {
+        metadata.target().starts_with("idem_host") && *metadata.level() <= Level::INFO
+    }
+}
+
+impl<S> Filter<S> for HostSpans {
+    fn enabled(&self, metadata: &Metadata<'_>, _: &Context<'_, S>) -> bool {
+        HostSpans::takes(metadata)
+    }
+
+    fn callsite_enabled(&self, metadata: &'static Metadata<'static>) -> Interest {
+        if HostSpans::takes(metadata) {
+            Interest::sometimes()
+        } else {
+            Interest::never()
+        }
+    }
+
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        Some(LevelFilter::INFO)
+    }
+}
+
+/// The protocol: `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, then `OTEL_EXPORTER_OTLP_PROTOCOL`,
+/// then `[traces] protocol`, then HTTP/protobuf (the specification's default).
+fn protocol(config: Option<&TracesConfig>) -> Result<OtlpProtocol, TracesError> {
+    for variable in [
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ] {
+        if let Some(value) = std::env::var(variable)
+            .ok()
+            .filter(|value| !value.is_empty())
+        {
+            return OtlpProtocol::parse(&value).ok_or(TracesError::Protocol { variable, value });
+        }
+    }
+    Ok(config
+        .and_then(|config| config.protocol)
+        .unwrap_or(OtlpProtocol::HttpProtobuf))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(name, value)| (name.to_string(), value.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn a_producers_context_is_read_from_its_headers() {
+        let parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let read = TraceContext::from_headers(&headers(&[
+            ("Traceparent", parent),
+            ("tracestate", "congo=t61rcWkgMzE"),
+        ]))
+        .expect("a valid context");
+        assert_eq!(read.traceparent, parent);
+        assert_eq!(read.tracestate.as_deref(), Some("congo=t61rcWkgMzE"));
+        assert_eq!(
+            read.headers(),
+            vec![(TRACEPARENT, parent), (TRACESTATE, "congo=t61rcWkgMzE")]
+        );
+    }
+
+    #[test]
+    fn a_malformed_context_is_ignored() {
+        for bad in [
+            "",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            "zz-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "\u{1b}[31m",
+        ] {
+            assert_eq!(
+                TraceContext::from_headers(&headers(&[(TRACEPARENT, bad)])),
+                None,
+                "{bad:?}"
+            );
+        }
+        assert_eq!(TraceContext::from_headers(&[]), None);
+    }
+
+    #[test]
+    fn without_export_the_received_context_is_handed_on() {
+        let received = TraceContext {
+            traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+            tracestate: None,
+        };
+        let span = tracing::info_span!("message");
+        adopt(&span, Some(&received));
+        assert_eq!(handed_on(&span, Some(&received)), Some(received));
+        assert_eq!(handed_on(&span, None), None);
+    }
+
+    #[test]
+    fn a_delivery_span_is_a_child_of_the_message_span_that_wrote_the_row() {
+        use tracing_subscriber::prelude::*;
+        let export = TraceExport {
+            provider: SdkTracerProvider::builder().build(),
+            destination: String::new(),
+        };
+        let logs = tracing_subscriber::fmt::layer()
+            .with_writer(std::io::sink)
+            .boxed()
+            .with_filter(tracing_subscriber::EnvFilter::new("idem_host=debug,warn"));
+        let subscriber = tracing_subscriber::registry()
+            .with(Some(export.layer()))
+            .with(logs);
+        tracing::subscriber::with_default(subscriber, || {
+            let written = TraceContext {
+                traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+                tracestate: Some("vendor=opaque".into()),
+            };
+            // sqlx asks whether its query log is enabled, at a level only the log layer takes,
+            // without logging: the span after it must still be seen by the trace layer.
+            let _ = tracing::enabled!(target: "sqlx::query", tracing::Level::WARN);
+            let (_span, sent) = delivery_span("receipts", "receipt:1", 1, 1, Some(&written));
+            let sent = sent.expect("a context");
+            assert!(
+                sent.traceparent
+                    .starts_with("00-0af7651916cd43dd8448eb211c80319c-"),
+                "{sent:?}"
+            );
+            assert_ne!(sent.traceparent, written.traceparent, "a span of its own");
+            assert_eq!(sent.tracestate, written.tracestate);
+        });
+    }
+}
