@@ -534,7 +534,9 @@ fn plugin_error_kind(error: &PluginError) -> &'static str {
         PluginError::MemoryExceeded { .. } => "plugin-memory",
         PluginError::Trap { .. } => "plugin-trap",
         PluginError::OutputTooLarge { .. } | PluginError::InvalidOutput { .. } => "invalid-output",
-        PluginError::Read { .. } | PluginError::Invalid { .. } => "plugin-load",
+        PluginError::Read { .. } | PluginError::Invalid { .. } | PluginError::Contract { .. } => {
+            "plugin-load"
+        }
         // Never reaches a message: `invoke` waits for a free slot.
         PluginError::PoolBusy { .. } => "plugin-pool",
     }

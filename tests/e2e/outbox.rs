@@ -93,6 +93,46 @@ record_receipt = "INSERT INTO receipts (order_id, customer_id, total_cents) VALU
     )
 }
 
+/// An exchange for AMQP receipts and a queue of the test's bound to it (`receipt.issued`):
+/// `(exchange, queue)`. The queue goes with the test's; the exchange with [`delete_exchange`].
+pub(crate) async fn receipts_exchange(env: &TestEnv) -> (String, String) {
+    let (queue, _) = env.extra_queues("receipts").await;
+    let exchange = format!("{}.receipts", env.queue);
+    env.channel
+        .exchange_declare(
+            ShortString::from(exchange.as_str()),
+            lapin::ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare exchange");
+    env.channel
+        .queue_bind(
+            ShortString::from(queue.as_str()),
+            ShortString::from(exchange.as_str()),
+            ShortString::from("receipt.issued"),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind queue");
+    (exchange, queue)
+}
+
+pub(crate) async fn delete_exchange(env: &TestEnv, exchange: &str) {
+    let _ = env
+        .channel
+        .exchange_delete(
+            ShortString::from(exchange),
+            ExchangeDeleteOptions::default(),
+        )
+        .await;
+}
+
 #[tokio::test]
 async fn outbox_delivers_each_receipt_once_through_failures_and_a_killed_relay() {
     let env = TestEnv::new("outbox_http").await;
@@ -212,30 +252,7 @@ async fn outbox_delivers_each_receipt_once_through_failures_and_a_killed_relay()
 #[tokio::test]
 async fn outbox_publishes_to_an_exchange_with_confirms() {
     let env = TestEnv::new("outbox_amqp").await;
-    let (target_queue, _) = env.extra_queues("receipts").await;
-    let exchange = format!("{}.receipts", env.queue);
-    env.channel
-        .exchange_declare(
-            ShortString::from(exchange.as_str()),
-            lapin::ExchangeKind::Direct,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("declare exchange");
-    env.channel
-        .queue_bind(
-            ShortString::from(target_queue.as_str()),
-            ShortString::from(exchange.as_str()),
-            ShortString::from("receipt.issued"),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind queue");
+    let (exchange, target_queue) = receipts_exchange(&env).await;
     let config = Config::from_toml(
         std::path::Path::new("/tmp/idem-outbox-test.toml"),
         &receipts_config(
@@ -273,13 +290,7 @@ async fn outbox_publishes_to_an_exchange_with_confirms() {
             .await,
         0
     );
-    let _ = env
-        .channel
-        .exchange_delete(
-            ShortString::from(exchange.as_str()),
-            ExchangeDeleteOptions::default(),
-        )
-        .await;
+    delete_exchange(&env, &exchange).await;
     env.cleanup().await;
 }
 

@@ -9,10 +9,6 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-};
-use lapin::types::{FieldTable, ShortString};
 
 use idem_e2e::otlp::{OtlpReceiver, ReceivedSpan, Transport};
 use idem_e2e::{TestEnv, order, publish_with_headers, spawn_idem, wait_for};
@@ -221,35 +217,7 @@ async fn a_trace_runs_from_the_producer_through_idem_to_an_http_delivery_over_gr
 async fn a_trace_runs_from_the_producer_through_idem_to_an_amqp_delivery_over_http() {
     let env = TestEnv::new("traces_http").await;
     let receiver = OtlpReceiver::start(Transport::HttpProtobuf).await;
-    let exchange = format!("{}_receipts", env.database);
-    let target = format!("{}_receipts_out", env.database);
-    env.channel
-        .exchange_declare(
-            ShortString::from(exchange.as_str()),
-            lapin::ExchangeKind::Topic,
-            ExchangeDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("declare exchange");
-    env.channel
-        .queue_declare(
-            ShortString::from(target.as_str()),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("declare queue");
-    env.channel
-        .queue_bind(
-            ShortString::from(target.as_str()),
-            ShortString::from(exchange.as_str()),
-            ShortString::from("receipt.issued"),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind queue");
+    let (exchange, target) = crate::outbox::receipts_exchange(&env).await;
     let config = std::env::temp_dir().join(format!("{}.toml", env.database));
     let text = crate::outbox::receipts_config(
         &env,
@@ -294,13 +262,6 @@ async fn a_trace_runs_from_the_producer_through_idem_to_an_amqp_delivery_over_ht
         })
         .collect();
     check_links(&receiver.spans(), &delivered);
-    let _ = env
-        .channel
-        .exchange_delete(
-            ShortString::from(exchange.as_str()),
-            ExchangeDeleteOptions::default(),
-        )
-        .await;
-    env.channel_queue_delete(&target).await;
+    crate::outbox::delete_exchange(&env, &exchange).await;
     env.cleanup().await;
 }

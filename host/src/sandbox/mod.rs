@@ -6,6 +6,7 @@
 
 mod bindings;
 pub mod cache;
+pub mod contract;
 pub mod pool;
 mod state;
 
@@ -60,6 +61,8 @@ pub struct LoadedPlugin {
     pub path: PathBuf,
     /// `sha256:<hex>` of the component bytes: which code decided.
     pub digest: String,
+    /// The `idem:plugin` contract version it was built for (`0.3.0`).
+    pub contract: String,
     pub loaded_at: SystemTime,
     /// Whether it came from the compiled-component cache.
     pub compiled: Compiled,
@@ -76,8 +79,19 @@ pub enum PluginError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("plugin {path:?} is not a valid idem:plugin@0.3.0 component: {reason}")]
+    #[error(
+        "plugin {path:?} is not a valid {}@{} component: {reason}",
+        contract::PACKAGE,
+        contract::current()
+    )]
     Invalid { path: PathBuf, reason: String },
+    /// Built for a contract this host does not run.
+    #[error(
+        "plugin {path:?} was built for {package}@{built_for}, which this host does not run (it runs {spoken}): refresh the plugin project's contract with `idem wit --out <project>/wit`, adapt the code and rebuild it with `idem build <project>`",
+        package = contract::PACKAGE,
+        spoken = contract::SPOKEN.map(|version| format!("{}@{version}", contract::PACKAGE)).join(", ")
+    )]
+    Contract { path: PathBuf, built_for: String },
     /// The plugin's own verdict: it understood the message and refused it.
     #[error("plugin refused the message ({}): {}", .0.kind.as_str(), .0.reason)]
     Rejected(Failure),
@@ -213,6 +227,16 @@ impl PluginRuntime {
                 reason,
             }
         };
+        let contract = contract::of_component(bytes);
+        if let Some(built_for) = contract
+            .as_ref()
+            .filter(|version| !contract::is_spoken(version))
+        {
+            return Err(PluginError::Contract {
+                path: path.to_path_buf(),
+                built_for: built_for.clone(),
+            });
+        }
         let digest = digest(bytes);
         let digest_hex = digest.trim_start_matches(DIGEST_PREFIX);
         let (component, compiled) = match &self.cache {
@@ -228,6 +252,7 @@ impl PluginRuntime {
             pre,
             path: path.to_path_buf(),
             digest,
+            contract: contract.unwrap_or_else(|| contract::current().to_string()),
             loaded_at: SystemTime::now(),
             compiled,
             idle: Mutex::default(),

@@ -93,10 +93,12 @@ async fn load_plugins(
         match pipeline::load_plugin(runtime, pipeline_config).await {
             Ok(plugin) => {
                 println!(
-                    "ok   pipeline {:?}: plugin {} ({})",
+                    "ok   pipeline {:?}: plugin {} ({}, {}@{})",
                     pipeline_config.name,
                     plugin.path.display(),
-                    plugin.digest
+                    plugin.digest,
+                    idem_host::sandbox::contract::PACKAGE,
+                    plugin.contract
                 );
                 plugins.push(Some(plugin));
             }

@@ -31,9 +31,16 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 use idem_host::traces::TraceExport;
 
+/// The version `idem --version` prints, with the plugin contracts this host runs (kept to
+/// `sandbox::contract::SPOKEN` by a test).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (plugin contracts: idem:plugin@0.3.0)"
+);
+
 /// Exactly-once database effects from at-least-once message delivery.
 #[derive(Parser)]
-#[command(name = "idem", version)]
+#[command(name = "idem", version = VERSION)]
 struct Cli {
     /// Log format on stderr.
     #[arg(
@@ -127,10 +134,27 @@ fn main() -> ExitCode {
     match ran {
         Ok(code) => code,
         Err(error) => {
-            eprintln!("idem: {error:#}");
+            eprintln!("idem: {}", one_line(&error));
             ExitCode::FAILURE
         }
     }
+}
+
+/// `error` and its causes on one line, each cause once: most of the host's errors already
+/// say their cause in their own message, which `{:#}` would print again.
+fn one_line(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let cause = cause.to_string();
+        if text.contains(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text
 }
 
 impl Command {
@@ -187,4 +211,42 @@ fn init_tracing(format: LogFormat, level: &str, traces: Option<&TraceExport>) {
         .with(traces.map(TraceExport::layer))
         .with(logs.with_filter(filter))
         .init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cause the message already says is printed once; one it does not say is added.
+    #[test]
+    fn an_error_prints_each_cause_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("plugin \"x.wasm\": {source}")]
+        struct Said {
+            source: std::io::Error,
+        }
+        let said = anyhow::Error::new(Said {
+            source: std::io::Error::other("no such file"),
+        });
+        assert_eq!(one_line(&said), "plugin \"x.wasm\": no such file");
+        let added = anyhow::Error::new(std::io::Error::other("refused")).context("traces");
+        assert_eq!(one_line(&added), "traces: refused");
+    }
+
+    /// `idem --version` names every contract the host runs, and no other.
+    #[test]
+    fn the_version_names_the_contracts_the_host_runs() {
+        let spoken: Vec<String> = idem_host::sandbox::contract::SPOKEN
+            .iter()
+            .map(|version| format!("idem:plugin@{version}"))
+            .collect();
+        assert_eq!(
+            VERSION,
+            format!(
+                "{} (plugin contracts: {})",
+                env!("CARGO_PKG_VERSION"),
+                spoken.join(", ")
+            )
+        );
+    }
 }

@@ -5,6 +5,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use idem_host::config::Config;
+use idem_host::sandbox::contract;
 use idem_host::source;
 use idem_host::store::tables::Tables;
 use idem_host::store::{database, retention};
@@ -44,13 +45,10 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
         if let Some(name) = &pipeline_config.database {
             println!("  database      {}", database::label(Some(name)));
         }
-        let plugin = match std::fs::read(&pipeline_config.plugin) {
-            Ok(bytes) => idem_host::sandbox::digest(&bytes),
-            Err(error) => format!("unreadable: {error}"),
-        };
         println!(
-            "  plugin file   {} ({plugin})",
-            pipeline_config.plugin.display()
+            "  plugin file   {} ({})",
+            pipeline_config.plugin.display(),
+            plugin_build(&pipeline_config.plugin)
         );
         for line in source::status(pipeline_config).await {
             println!("  {:<13} {:?}: {}", line.label, line.name, line.state);
@@ -97,4 +95,23 @@ async fn status(path: &Path) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The plugin file's build and the contract it was built for, read without compiling it.
+fn plugin_build(path: &Path) -> String {
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(error) => return format!("unreadable: {error}"),
+    };
+    let contract = match contract::of_component(&bytes) {
+        Some(version) if contract::is_spoken(&version) => {
+            format!("{}@{version}", contract::PACKAGE)
+        }
+        Some(version) => format!(
+            "{}@{version}, which this host does not run",
+            contract::PACKAGE
+        ),
+        None => "no idem:plugin contract".to_string(),
+    };
+    format!("{}, {contract}", idem_host::sandbox::digest(&bytes))
 }
