@@ -14,6 +14,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::{Answer, AppState, failed};
+use crate::config::PipelineConfig;
 use crate::operator::{self, ArchiveTo};
 use crate::source::{self, dead_letters, dead_letters::Action, dead_letters::Selection};
 use crate::store::outbox;
@@ -43,15 +44,6 @@ pub(super) struct Filter {
 }
 
 impl Filter {
-    /// Whether no filter is given: the selection is every dead letter.
-    fn is_everything(&self) -> bool {
-        self.kind.is_none()
-            && self.reason.is_none()
-            && self.since_seconds.is_none()
-            && self.ids.is_none()
-            && self.limit.is_none()
-    }
-
     fn selection(self, default_limit: Option<u64>) -> Selection {
         Selection {
             kind: self.kind,
@@ -157,24 +149,8 @@ pub(super) async fn replay(
 ) -> Result<Answer, Answer> {
     let pipeline = &state.pipeline(&name)?.config;
     let dry_run = filter.dry_run;
-    let action = if dry_run {
-        Action::Look
-    } else {
-        Action::Replay
-    };
-    let mut ids = Vec::new();
-    let passed = source::pass_dead_letters(pipeline, &filter.selection(None), action, |letter| {
-        ids.push(letter.id.clone())
-    })
-    .await;
+    let ids = pass_selected(pipeline, &filter.selection(None), Action::Replay, dry_run).await?;
     let moved = ids.len();
-    // Some may have moved before a failure: say how many were selected.
-    passed.map_err(|error| {
-        failed(
-            StatusCode::BAD_GATEWAY,
-            format!("{error} ({moved} selected before it stopped)"),
-        )
-    })?;
     if !dry_run {
         tracing::info!(pipeline = %name, moved, "Dead letters replayed from the console.");
     }
@@ -191,6 +167,29 @@ pub(super) async fn replay(
     ))
 }
 
+/// Runs `action` (or, with `dry_run`, only looks) on the dead letters `selection` picks;
+/// their ids. Some may have moved before a failure: the error says how many were selected.
+async fn pass_selected(
+    pipeline: &PipelineConfig,
+    selection: &Selection,
+    action: Action,
+    dry_run: bool,
+) -> Result<Vec<String>, Answer> {
+    let action = if dry_run { Action::Look } else { action };
+    let mut ids = Vec::new();
+    let passed = source::pass_dead_letters(pipeline, selection, action, |letter| {
+        ids.push(letter.id.clone())
+    })
+    .await;
+    passed.map_err(|error| {
+        failed(
+            StatusCode::BAD_GATEWAY,
+            format!("{error} ({} selected before it stopped)", ids.len()),
+        )
+    })?;
+    Ok(ids)
+}
+
 /// `POST /admin/dead-letters/{pipeline}/discard` with a JSON filter (as replay's; `"all":
 /// true` when there is none): the selected dead letters removed for good.
 pub(super) async fn discard(
@@ -199,30 +198,16 @@ pub(super) async fn discard(
     Json(filter): Json<Filter>,
 ) -> Result<Answer, Answer> {
     let pipeline = &state.pipeline(&name)?.config;
-    if filter.is_everything() && !filter.all {
+    let (all, dry_run) = (filter.all, filter.dry_run);
+    let selection = filter.selection(None);
+    if selection.is_everything() && !all {
         return Err(failed(
             StatusCode::UNPROCESSABLE_ENTITY,
             "no filter given: select dead letters (kind, reason, since_seconds, ids, limit) or say \"all\": true",
         ));
     }
-    let dry_run = filter.dry_run;
-    let action = if dry_run {
-        Action::Look
-    } else {
-        Action::Discard
-    };
-    let mut ids = Vec::new();
-    let passed = source::pass_dead_letters(pipeline, &filter.selection(None), action, |letter| {
-        ids.push(letter.id.clone())
-    })
-    .await;
+    let ids = pass_selected(pipeline, &selection, Action::Discard, dry_run).await?;
     let selected = ids.len();
-    passed.map_err(|error| {
-        failed(
-            StatusCode::BAD_GATEWAY,
-            format!("{error} ({selected} selected before it stopped)"),
-        )
-    })?;
     if !dry_run {
         tracing::warn!(pipeline = %name, discarded = selected, "Dead letters discarded from the console.");
     }

@@ -39,6 +39,17 @@ pub struct Selection {
     pub limit: Option<u64>,
 }
 
+impl Selection {
+    /// Whether nothing narrows it: every dead letter.
+    pub fn is_everything(&self) -> bool {
+        self.kind.is_none()
+            && self.reason.is_none()
+            && self.since.is_none()
+            && self.ids.is_none()
+            && self.limit.is_none()
+    }
+}
+
 /// One dead letter as it is kept.
 #[derive(Debug, Clone)]
 pub struct DeadLetter {

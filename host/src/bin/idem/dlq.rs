@@ -121,15 +121,6 @@ struct DlqFilter {
 }
 
 impl DlqFilter {
-    /// Whether no filter is given: the selection is every dead letter.
-    fn is_everything(&self) -> bool {
-        self.kind.is_none()
-            && self.reason.is_none()
-            && self.since.is_none()
-            && self.limit.is_none()
-            && self.ids.is_empty()
-    }
-
     fn selection(self) -> Selection {
         Selection {
             kind: self.kind,
@@ -315,24 +306,8 @@ async fn replay(
     selection: &Selection,
     dry_run: bool,
 ) -> anyhow::Result<ExitCode> {
-    let action = if dry_run {
-        Action::Look
-    } else {
-        Action::Replay
-    };
     let verb = if dry_run { "would replay" } else { "replayed" };
-    let moved = source::pass_dead_letters(pipeline, selection, action, |letter| {
-        println!(
-            "{verb} #{} ({}: {})",
-            letter.position,
-            printable(letter.kind.as_deref().unwrap_or("-"), false),
-            printable(
-                &cut_line(letter.reason.as_deref().unwrap_or("-"), 80),
-                false
-            )
-        );
-    })
-    .await?;
+    let moved = pass_printing(pipeline, selection, Action::Replay, dry_run, verb).await?;
     println!(
         "{verb} {moved} message(s) from {:?} to {:?}{}",
         pipeline.dead_letter(),
@@ -346,30 +321,17 @@ async fn replay(
     Ok(ExitCode::SUCCESS)
 }
 
-async fn discard(
+/// Runs `action` (or, with `dry_run`, only looks) on the selected dead letters, printing a
+/// line for each (`<verb> #3 (kind: reason)`); how many it passed.
+async fn pass_printing(
     pipeline: &PipelineConfig,
-    filter: DlqFilter,
-    all: bool,
+    selection: &Selection,
+    action: Action,
     dry_run: bool,
-) -> anyhow::Result<ExitCode> {
-    if filter.is_everything() && !all {
-        eprintln!(
-            "idem dlq discard: no filter given; pass --kind, --reason, --since, --id or --limit, or --all to discard every dead letter of {:?}",
-            pipeline.name
-        );
-        return Ok(ExitCode::FAILURE);
-    }
-    let action = if dry_run {
-        Action::Look
-    } else {
-        Action::Discard
-    };
-    let verb = if dry_run {
-        "would discard"
-    } else {
-        "discarded"
-    };
-    let removed = source::pass_dead_letters(pipeline, &filter.selection(), action, |letter| {
+    verb: &str,
+) -> anyhow::Result<u64> {
+    let action = if dry_run { Action::Look } else { action };
+    let passed = source::pass_dead_letters(pipeline, selection, action, |letter| {
         println!(
             "{verb} #{} ({}: {})",
             letter.position,
@@ -381,6 +343,29 @@ async fn discard(
         );
     })
     .await?;
+    Ok(passed)
+}
+
+async fn discard(
+    pipeline: &PipelineConfig,
+    filter: DlqFilter,
+    all: bool,
+    dry_run: bool,
+) -> anyhow::Result<ExitCode> {
+    let selection = filter.selection();
+    if selection.is_everything() && !all {
+        eprintln!(
+            "idem dlq discard: no filter given; pass --kind, --reason, --since, --id or --limit, or --all to discard every dead letter of {:?}",
+            pipeline.name
+        );
+        return Ok(ExitCode::FAILURE);
+    }
+    let verb = if dry_run {
+        "would discard"
+    } else {
+        "discarded"
+    };
+    let removed = pass_printing(pipeline, &selection, Action::Discard, dry_run, verb).await?;
     println!(
         "{verb} {removed} message(s) from {:?}{}",
         pipeline.dead_letter(),
