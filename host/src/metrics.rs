@@ -11,7 +11,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 /// Every metric of one host. Cheap to share behind an `Arc`.
 pub struct Metrics {
@@ -100,59 +100,53 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("idem");
-        let messages = Family::<OutcomeLabels, Counter>::default();
-        registry.register(
+        let messages = registered(
+            &mut registry,
             "messages",
             "Messages settled, by pipeline and outcome (applied, duplicate, stale, skipped, rejected, retried, requeued)",
-            messages.clone(),
+            Family::<OutcomeLabels, Counter>::default(),
         );
-        let plugin_seconds = Family::<PipelineLabels, Histogram>::new_with_constructor(
-            latency_histogram as fn() -> Histogram,
-        );
-        registry.register(
+        let plugin_seconds = registered(
+            &mut registry,
             "plugin_call_seconds",
             "Plugin instantiation and call time per message",
-            plugin_seconds.clone(),
+            latency_family(),
         );
-        let transaction_seconds = Family::<PipelineLabels, Histogram>::new_with_constructor(
-            latency_histogram as fn() -> Histogram,
-        );
-        registry.register(
+        let transaction_seconds = registered(
+            &mut registry,
             "transaction_seconds",
             "Claim and effects transaction time, commit included",
-            transaction_seconds.clone(),
+            latency_family(),
         );
-        let end_to_end_seconds = Family::<PipelineLabels, Histogram>::new_with_constructor(
-            latency_histogram as fn() -> Histogram,
-        );
-        registry.register(
+        let end_to_end_seconds = registered(
+            &mut registry,
             "message_seconds",
             "Time from delivery to settlement (ack, dead-letter or retry publish)",
-            end_to_end_seconds.clone(),
+            latency_family(),
         );
-        let database_retries = Family::<RetryLabels, Counter>::default();
-        registry.register(
+        let database_retries = registered(
+            &mut registry,
             "database_retries",
             "Transactions retried after a transient database error, by SQLSTATE (or 'connection')",
-            database_retries.clone(),
+            Family::<RetryLabels, Counter>::default(),
         );
-        let plugin_reloads = Family::<ReloadLabels, Counter>::default();
-        registry.register(
+        let plugin_reloads = registered(
+            &mut registry,
             "plugin_reloads",
             "Plugin reload attempts, by result (applied, refused, unchanged)",
-            plugin_reloads.clone(),
+            Family::<ReloadLabels, Counter>::default(),
         );
-        let claims_deleted = Family::<PipelineLabels, Counter>::default();
-        registry.register(
+        let claims_deleted = registered(
+            &mut registry,
             "claims_deleted",
             "Claims deleted by retention",
-            claims_deleted.clone(),
+            Family::<PipelineLabels, Counter>::default(),
         );
-        let outbox_deliveries = Family::<DestinationLabels, Counter>::default();
-        registry.register(
+        let outbox_deliveries = registered(
+            &mut registry,
             "outbox_deliveries",
             "Outbox delivery attempts, by destination and result (delivered, failed, parked)",
-            outbox_deliveries.clone(),
+            Family::<DestinationLabels, Counter>::default(),
         );
         let (pipeline_paused, operator_paused) = register_pauses(&mut registry);
         let sampled = Sampled::register(&mut registry);
@@ -291,31 +285,41 @@ impl Metrics {
     }
 }
 
+/// Registers `metric` in `registry` as `name` (after the `idem_` prefix) with `help`;
+/// returns the handle that records into it.
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+/// A per-pipeline latency histogram family.
+fn latency_family() -> Family<PipelineLabels, Histogram> {
+    Family::new_with_constructor(latency_histogram as fn() -> Histogram)
+}
+
 /// The two pause gauges: a configuration fault's, an operator's.
 fn register_pauses(
     registry: &mut Registry,
 ) -> (Family<PipelineLabels, Gauge>, Family<PipelineLabels, Gauge>) {
-    let pipeline_paused = Family::<PipelineLabels, Gauge>::default();
-    registry.register(
+    let pipeline_paused = registered(
+        registry,
         "pipeline_paused",
         "1 while the pipeline is paused by a configuration fault (see /readyz for the statement and SQLSTATE)",
-        pipeline_paused.clone(),
+        Family::default(),
     );
-    let operator_paused = Family::<PipelineLabels, Gauge>::default();
-    registry.register(
+    let operator_paused = registered(
+        registry,
         "pipeline_operator_paused",
         "1 while an operator has paused the pipeline (POST /admin/pipelines/<name>/pause, idem pause)",
-        operator_paused.clone(),
+        Family::default(),
     );
     (pipeline_paused, operator_paused)
 }
 
 impl Sampled {
     fn register(registry: &mut Registry) -> Sampled {
-        let mut family = |name: &str, help: &str| {
-            let family = Family::<PipelineLabels, Gauge>::default();
-            registry.register(name, help, family.clone());
-            family
+        let mut family = |name: &str, help: &str| -> Family<PipelineLabels, Gauge> {
+            registered(registry, name, help, Family::default())
         };
         let waiting = family(
             "source_waiting_messages",
@@ -333,10 +337,8 @@ impl Sampled {
             "claims",
             "Claims the pipeline keeps (rows of the claims table), sampled",
         );
-        let mut seconds = |name: &str, help: &str| {
-            let family = Family::<PipelineLabels, Seconds>::default();
-            registry.register(name, help, family.clone());
-            family
+        let mut seconds = |name: &str, help: &str| -> Family<PipelineLabels, Seconds> {
+            registered(registry, name, help, Family::default())
         };
         let oldest_age = seconds(
             "source_oldest_unsettled_age_seconds",
@@ -354,17 +356,17 @@ impl Sampled {
             "claims_retention_seconds",
             "The pipeline's claim retention window ([pipelines.<name>.retention] window)",
         );
-        let outbox_rows = Family::<OutboxLabels, Gauge>::default();
-        registry.register(
+        let outbox_rows: Family<OutboxLabels, Gauge> = registered(
+            registry,
             "outbox_rows",
             "Outbox rows not delivered, by database and state (pending, parked), sampled",
-            outbox_rows.clone(),
+            Family::default(),
         );
-        let outbox_oldest_age = Family::<DatabaseLabels, Seconds>::default();
-        registry.register(
+        let outbox_oldest_age: Family<DatabaseLabels, Seconds> = registered(
+            registry,
             "outbox_oldest_pending_age_seconds",
             "Age of the database's oldest pending outbox row (0 when none), sampled",
-            outbox_oldest_age.clone(),
+            Family::default(),
         );
         Sampled {
             waiting,

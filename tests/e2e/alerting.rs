@@ -18,19 +18,14 @@ fn deploy(path: &str) -> PathBuf {
         .join(path)
 }
 
+/// `promtool <args>` in `deploy/prometheus` (scripts/test.sh installs Debian's prometheus),
+/// which must succeed; what it printed.
 fn promtool(args: &[&str]) -> String {
-    let output = Command::new("promtool")
-        .args(args)
-        .current_dir(deploy("prometheus"))
-        .output()
-        .expect("promtool runs (scripts/test.sh installs Debian's prometheus)");
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(output.status.success(), "promtool {args:?}: {said}");
-    said
+    idem_e2e::must_run(
+        Command::new("promtool")
+            .args(args)
+            .current_dir(deploy("prometheus")),
+    )
 }
 
 /// `promtool check rules` accepts the rules, and `promtool test rules` fires each on the

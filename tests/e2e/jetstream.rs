@@ -429,14 +429,7 @@ fn idem_command(command: &str, path: &Path) -> (bool, String) {
         .env_remove("RUST_LOG")
         .output()
         .expect("run idem");
-    (
-        output.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        ),
-    )
+    (output.status.success(), idem_e2e::said(&output))
 }
 
 /// `idem check` looks at the stream and the consumer without creating them, refuses a

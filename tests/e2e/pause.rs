@@ -14,19 +14,12 @@ const TOKEN: &str = "pause-token-0123456789abcdef012345";
 
 /// `idem <args> --config <path>`: its output; it must succeed.
 fn idem(path: &Path, args: &[&str]) -> String {
-    let output = Command::new(idem_binary())
-        .args(args)
-        .arg("--config")
-        .arg(path)
-        .output()
-        .expect("run idem");
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(output.status.success(), "idem {args:?}: {said}");
-    said
+    idem_e2e::must_run(
+        Command::new(idem_binary())
+            .args(args)
+            .arg("--config")
+            .arg(path),
+    )
 }
 
 /// A `POST` to a host's admin API with the token; status and JSON answer.

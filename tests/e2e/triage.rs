@@ -18,14 +18,7 @@ fn idem(config: &Path, args: &[&str]) -> (bool, String) {
         .arg(config)
         .output()
         .expect("run idem");
-    (
-        output.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        ),
-    )
+    (output.status.success(), idem_e2e::said(&output))
 }
 
 /// `idem` with `args` on the pipeline, expected to fail: what it said.

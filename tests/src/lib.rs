@@ -480,20 +480,32 @@ impl Drop for IdemProcess {
     }
 }
 
-/// Runs `idem <command> --config <path>`, which must succeed; returns its output.
-pub fn must_succeed(command: &str, path: &Path) -> String {
-    let output = Command::new(idem_binary())
-        .args([command, "--config"])
-        .arg(path)
-        .output()
-        .expect("run idem");
-    let text = format!(
+/// What a finished process printed: its stdout, then its stderr.
+pub fn said(output: &std::process::Output) -> String {
+    format!(
         "{}{}",
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(output.status.success(), "idem {command}: {text}");
+    )
+}
+
+/// Runs `command`, which must succeed; returns what it printed.
+pub fn must_run(command: &mut Command) -> String {
+    let output = command
+        .output()
+        .unwrap_or_else(|error| panic!("run {command:?}: {error}"));
+    let text = said(&output);
+    assert!(output.status.success(), "{command:?}: {text}");
     text
+}
+
+/// Runs `idem <command> --config <path>`, which must succeed; returns its output.
+pub fn must_succeed(command: &str, path: &Path) -> String {
+    must_run(
+        Command::new(idem_binary())
+            .args([command, "--config"])
+            .arg(path),
+    )
 }
 
 /// Runs `idem <command> --config <file>`, which must exit non-zero within 10 s; returns its
@@ -530,11 +542,7 @@ pub fn must_refuse_with(command: &str, config: &Path, env: &[(&str, &str)]) -> S
     }
     let output = child.wait_with_output().expect("output");
     assert!(!output.status.success(), "idem {command} exited 0");
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
+    said(&output)
 }
 
 /// `idem run` and `idem check` with `config` both exit non-zero within 10 s, their output

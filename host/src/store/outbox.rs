@@ -159,12 +159,13 @@ pub async fn take(
                 })
                 .unwrap_or_default(),
             attempts: row.try_get("attempts")?,
-            trace: row
-                .try_get::<Option<String>, _>("traceparent")?
-                .map(|traceparent| TraceContext {
+            trace: match row.try_get::<Option<String>, _>("traceparent")? {
+                Some(traceparent) => Some(TraceContext {
                     traceparent,
-                    tracestate: row.try_get("tracestate").unwrap_or_default(),
+                    tracestate: row.try_get("tracestate")?,
                 }),
+                None => None,
+            },
         });
     }
     Ok((transaction, taken))
