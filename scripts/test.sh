@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: services up, toolchains, Chromium, PgBouncer, pg_auto_failover and Prometheus installed,
+# The test command: services up, toolchains (Rust, Python, JavaScript, C and C++ for wasm), Chromium,
+# PgBouncer, pg_auto_failover and Prometheus installed,
 # plugins built (by tests/build.rs), every test against real PostgreSQL, RabbitMQ and NATS
 # JetStream. Extra arguments go to `cargo test`.
 set -euo pipefail
@@ -20,8 +21,12 @@ fi
 # Debian packages the tests run: Chromium for the console's browser test (driven by
 # playwright-core, which downloads no browser of its own), PgBouncer for the pooler tests,
 # pg_auto_failover (for the installed PostgreSQL) for the failover scenario, Prometheus
-# (prometheus and promtool) for the alert rules and the scrape test.
+# (prometheus and promtool) for the alert rules and the scrape test; clang, lld, wasi-libc and
+# libc++ for wasm32-wasi for the C and C++ plugins.
 missing=()
+for package in clang lld wasi-libc libclang-rt-14-dev-wasm32 libc++-14-dev-wasm32 libc++abi-14-dev-wasm32; do
+  dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
+done
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 [ -x /usr/bin/promtool ] || missing+=(prometheus)

@@ -12,6 +12,7 @@ fn main() {
     // Watch sources only: plugins/target and plugins/dist change with every build.
     for watched in [
         "wit",
+        "host/contracts",
         "scripts/build-plugins.sh",
         "plugins/Cargo.toml",
         "plugins/loyalty-py/app.py",

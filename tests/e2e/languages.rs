@@ -14,10 +14,13 @@ use idem_host::metrics::Metrics;
 use idem_host::sandbox::PluginRuntime;
 use idem_host::sandbox::cache::Compiled;
 
-const LOYALTY_PLUGINS: [&str; 3] = ["loyalty", "loyalty-py", "loyalty-js"];
+const LOYALTY_PLUGINS: [&str; 4] = ["loyalty", "loyalty-py", "loyalty-js", "loyalty-c"];
 
 /// A plugin of the suite; a missing non-Rust build fails only the tests that need it.
 fn require_plugin(name: &str) -> std::path::PathBuf {
+    if name == "loyalty-c" {
+        return loyalty_c();
+    }
     let path = plugin_path(name);
     assert!(
         path.is_file(),
@@ -27,6 +30,19 @@ fn require_plugin(name: &str) -> std::path::PathBuf {
         path.display()
     );
     path
+}
+
+/// The C build of loyalty, made by `idem build` (once per test run) as a C plugin's author
+/// makes it: clang for wasm32-wasi, then a component, all by the idem binary.
+fn loyalty_c() -> std::path::PathBuf {
+    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let project = Path::new(REPO_ROOT).join("plugins/loyalty-c");
+            idem_e2e::must_run(Command::new(idem_binary()).arg("build").arg(&project));
+            project.join("loyalty-c.wasm")
+        })
+        .clone()
 }
 
 const CORPUS: &str = "tests/conformance/loyalty.json";

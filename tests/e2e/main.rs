@@ -6,6 +6,7 @@ mod broker;
 mod claims;
 mod connectivity;
 mod console;
+mod contracts;
 mod crash;
 mod databases;
 mod dedup;

@@ -336,6 +336,7 @@ async fn new_build_test_serve(language: &str) {
     for file in [
         "wit/world.wit",
         "cases.json",
+        "order.json",
         "pipeline.toml",
         "schema.sql",
         "README.md",
@@ -424,6 +425,23 @@ async fn new_build_test_serve(language: &str) {
         config_path.as_os_str(),
     ]);
     assert!(checked.success, "{}{}", checked.stdout, checked.stderr);
+    // The README's `idem try` line, with the project's own message.
+    let order = project.join("order.json");
+    let tried = idem([
+        OsStr::new("try"),
+        OsStr::new("--config"),
+        config_path.as_os_str(),
+        OsStr::new("--pipeline"),
+        OsStr::new(&name),
+        OsStr::new("--message"),
+        order.as_os_str(),
+    ]);
+    assert!(
+        tried.success && tried.stdout.contains("order-placed:9912"),
+        "{}{}",
+        tried.stdout,
+        tried.stderr
+    );
     let host = env.start_host(
         idem_host::config::Config::from_toml(&config_path, &text).expect("the fragment is valid"),
     );
@@ -472,4 +490,14 @@ async fn a_new_python_plugin_builds_tests_and_serves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_javascript_plugin_builds_tests_and_serves() {
     new_build_test_serve("js").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_c_plugin_builds_tests_and_serves() {
+    new_build_test_serve("c").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_cpp_plugin_builds_tests_and_serves() {
+    new_build_test_serve("cpp").await;
 }

@@ -183,78 +183,13 @@ async fn memory_limit_bounds_all_memories_of_an_instance_together() {
     }
 }
 
-/// A plugin built for a contract the host does not run is refused before it is compiled,
-/// with one message naming both versions and how to rebuild it; one built for the current
-/// contract records it.
-#[tokio::test]
-async fn a_plugin_for_another_contract_is_refused_naming_both_versions() {
-    use idem_host::sandbox::{PluginError, PluginRuntime, contract};
-
-    let body = |version: &str| {
-        format!(
-            r#"(module
-                 (memory (export "memory") 1)
-                 (func (export "cabi_realloc") (param i32 i32 i32 i32) (result i32) i32.const 1024)
-                 (func (export "idem:plugin/handler@{version}#handle") (param i32) (result i32)
-                   unreachable))"#
-        )
-    };
-    let runtime = PluginRuntime::new().expect("runtime");
-    let current = contract::current();
-    let plugin = runtime
-        .load_bytes(
-            std::path::Path::new("current.wasm"),
-            &component_for_contract(&body(current), current),
-        )
-        .expect("a plugin for the current contract loads");
-    assert_eq!(plugin.contract, current);
-    // Every plugin this repository builds, in each language, names the contract it was built for.
-    let dist = idem_e2e::plugin_path("loyalty");
-    let dist = dist.parent().expect("plugins/dist");
-    for entry in std::fs::read_dir(dist).expect("plugins/dist") {
-        let path = entry.expect("entry").path();
-        // `other-world` is the fixture of a component that implements no idem:plugin world.
-        if path
-            .extension()
-            .is_some_and(|extension| extension == "wasm")
-            && path.file_stem().is_some_and(|stem| stem != "other-world")
-        {
-            let bytes = std::fs::read(&path).expect("read plugin");
-            assert_eq!(
-                contract::of_component(&bytes).as_deref(),
-                Some(current),
-                "{}",
-                path.display()
-            );
-        }
-    }
-    let old = component_for_contract(&body("0.2.0"), "0.2.0");
-    assert_eq!(contract::of_component(&old).as_deref(), Some("0.2.0"));
-    match runtime.load_bytes(std::path::Path::new("old.wasm"), &old) {
-        Err(error @ PluginError::Contract { .. }) => {
-            let message = error.to_string();
-            for fragment in [
-                "old.wasm",
-                "built for idem:plugin@0.2.0",
-                &format!("it runs idem:plugin@{current}"),
-                "idem wit --out",
-                "idem build",
-            ] {
-                assert!(message.contains(fragment), "{message:?} lacks {fragment:?}");
-            }
-        }
-        Err(other) => panic!("refused for another reason: {other}"),
-        Ok(_) => panic!("a plugin for idem:plugin@0.2.0 loaded"),
-    }
-}
-
 /// A component implementing the plugin world from a core module in WAT.
 fn component_from_wat(text: &str) -> Vec<u8> {
     component_for_contract(text, idem_host::sandbox::contract::current())
 }
 
 /// [`component_from_wat`] built against the contract as if its version were `version`.
-fn component_for_contract(text: &str, version: &str) -> Vec<u8> {
+pub(crate) fn component_for_contract(text: &str, version: &str) -> Vec<u8> {
     let mut module = wat::parse_str(text).expect("core module");
     let mut resolve = wit_parser::Resolve::default();
     let wit = idem_host::sandbox::WORLD_WIT.replace(

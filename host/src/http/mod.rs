@@ -400,7 +400,8 @@ async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
                 "plugin": {
                     "path": plugin.path.display().to_string(),
                     "digest": plugin.digest,
-                    "contract": format!("{}@{}", crate::sandbox::contract::PACKAGE, plugin.contract),
+                    "contract": crate::sandbox::contract::describe(&plugin.contract),
+                    "contract_deprecated": crate::sandbox::contract::is_deprecated(&plugin.contract),
                     "loaded_at": unix_seconds(plugin.loaded_at),
                 },
                 "last_reload_at": reload_status.last_attempt_at.map(unix_seconds),

@@ -56,12 +56,13 @@ pub struct CallStats {
 
 /// A compiled, type-checked component, ready to instantiate per message.
 pub struct LoadedPlugin {
-    pre: PluginPre<PluginState>,
+    pre: PluginPre,
     /// Where it was loaded from.
     pub path: PathBuf,
     /// `sha256:<hex>` of the component bytes: which code decided.
     pub digest: String,
-    /// The `idem:plugin` contract version it was built for (`0.3.0`).
+    /// The `idem:plugin` contract version it was built for (`0.3.0`); one of
+    /// [`contract::SPOKEN`].
     pub contract: String,
     pub loaded_at: SystemTime,
     /// Whether it came from the compiled-component cache.
@@ -87,8 +88,9 @@ pub enum PluginError {
     Invalid { path: PathBuf, reason: String },
     /// Built for a contract this host does not run.
     #[error(
-        "plugin {path:?} was built for {package}@{built_for}, which this host does not run (it runs {spoken}): refresh the plugin project's contract with `idem wit --out <project>/wit`, adapt the code and rebuild it with `idem build <project>`",
+        "plugin {path:?} was built for {package}@{built_for}, which this host does not run (it runs {spoken}): {rebuild}",
         package = contract::PACKAGE,
+        rebuild = contract::REBUILD,
         spoken = contract::SPOKEN.map(|version| format!("{}@{version}", contract::PACKAGE)).join(", ")
     )]
     Contract { path: PathBuf, built_for: String },
@@ -150,12 +152,8 @@ impl PluginRuntime {
             reason: format!("cannot configure the wasm engine: {error:#}"),
         })?;
         let mut linker = Linker::new(&engine);
-        let linked = wasmtime_wasi::p2::add_to_linker_async(&mut linker).and_then(|()| {
-            bindings::log::add_to_linker::<_, wasmtime::component::HasSelf<_>>(
-                &mut linker,
-                |state: &mut PluginState| state,
-            )
-        });
+        let linked = wasmtime_wasi::p2::add_to_linker_async(&mut linker)
+            .and_then(|()| bindings::add_to_linker(&mut linker));
         linked.map_err(|error| PluginError::Invalid {
             path: PathBuf::new(),
             reason: format!("cannot link host imports: {error:#}"),
@@ -247,12 +245,16 @@ impl PluginRuntime {
         }
         .map_err(invalid)?;
         let instance_pre = self.linker.instantiate_pre(&component).map_err(invalid)?;
-        let pre = PluginPre::new(instance_pre).map_err(invalid)?;
+        let contract = contract.unwrap_or_else(|| contract::current().to_string());
+        let pre = PluginPre::new(&contract, instance_pre).map_err(invalid)?;
+        if let Some(deprecation) = contract::deprecation(&contract) {
+            tracing::warn!(plugin = %path.display(), "Plugin {deprecation}.");
+        }
         Ok(LoadedPlugin {
             pre,
             path: path.to_path_buf(),
             digest,
-            contract: contract.unwrap_or_else(|| contract::current().to_string()),
+            contract,
             loaded_at: SystemTime::now(),
             compiled,
             idle: Mutex::default(),
@@ -369,16 +371,12 @@ impl PluginRuntime {
             .data_mut()
             .begin_call(deadline.as_millis().div_ceil(EPOCH_TICK.as_millis()));
         store.set_epoch_deadline(1);
-        let wit_message = bindings::message(message);
         let call = async {
             let handler = match handler.take() {
                 Some(handler) => handler,
                 None => plugin.pre.instantiate_async(&mut store).await?,
             };
-            let returned = handler
-                .idem_plugin_handler()
-                .call_handle(&mut store, &wit_message)
-                .await?;
+            let returned = handler.handle(&mut store, message).await?;
             Ok::<_, wasmtime::Error>((handler, returned))
         };
         // The epoch callback stops guest code; the timeout also stops a host call that blocks.
@@ -400,7 +398,7 @@ impl PluginRuntime {
             Ok(Ok((handler, returned))) => (Ok(returned), Some(handler)),
         };
         let outcome = returned.and_then(|returned| {
-            let outcome = bindings::verdict(returned).map_err(PluginError::Rejected)?;
+            let outcome = returned.map_err(PluginError::Rejected)?;
             check_output(&outcome, limits)?;
             Ok(outcome)
         });

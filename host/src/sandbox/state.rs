@@ -4,7 +4,6 @@ use wasmtime::ResourceLimiter;
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
-use crate::sandbox::bindings::log;
 use crate::sandbox::{PLUGIN_TEXT_BYTES, printable};
 
 /// Log lines one call may emit before the rest are dropped (and counted in one summary line).
@@ -147,20 +146,22 @@ impl WasiView for PluginState {
     }
 }
 
-impl log::Host for PluginState {
-    fn log(&mut self, level: log::Level, message: String) {
+impl PluginState {
+    /// A line the plugin logged through its `log` import (of any contract): escaped, capped,
+    /// tagged with the pipeline, and at most [`LOG_LINES_PER_CALL`] per message.
+    pub(super) fn plugin_log(&mut self, level: tracing::Level, message: &str) {
         self.log_lines = self.log_lines.saturating_add(1);
         if self.log_lines > LOG_LINES_PER_CALL {
             return;
         }
-        let line = printable(&message, PLUGIN_TEXT_BYTES);
+        let line = printable(message, PLUGIN_TEXT_BYTES);
         let pipeline = &self.pipeline;
         match level {
-            log::Level::Trace => tracing::trace!(pipeline = %pipeline, plugin_log = %line),
-            log::Level::Debug => tracing::debug!(pipeline = %pipeline, plugin_log = %line),
-            log::Level::Info => tracing::info!(pipeline = %pipeline, plugin_log = %line),
-            log::Level::Warn => tracing::warn!(pipeline = %pipeline, plugin_log = %line),
-            log::Level::Error => tracing::error!(pipeline = %pipeline, plugin_log = %line),
+            tracing::Level::TRACE => tracing::trace!(pipeline = %pipeline, plugin_log = %line),
+            tracing::Level::DEBUG => tracing::debug!(pipeline = %pipeline, plugin_log = %line),
+            tracing::Level::INFO => tracing::info!(pipeline = %pipeline, plugin_log = %line),
+            tracing::Level::WARN => tracing::warn!(pipeline = %pipeline, plugin_log = %line),
+            tracing::Level::ERROR => tracing::error!(pipeline = %pipeline, plugin_log = %line),
         }
     }
 }

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use idem_host::config::Config;
 use idem_host::pipeline;
-use idem_host::sandbox::{LoadedPlugin, PluginRuntime};
+use idem_host::sandbox::{LoadedPlugin, PluginRuntime, contract};
 use idem_host::source::{self, Finding};
 use idem_host::store::database;
 use idem_host::store::statement::StatementCatalog;
@@ -93,13 +93,18 @@ async fn load_plugins(
         match pipeline::load_plugin(runtime, pipeline_config).await {
             Ok(plugin) => {
                 println!(
-                    "ok   pipeline {:?}: plugin {} ({}, {}@{})",
+                    "ok   pipeline {:?}: plugin {} ({}, {})",
                     pipeline_config.name,
                     plugin.path.display(),
                     plugin.digest,
-                    idem_host::sandbox::contract::PACKAGE,
-                    plugin.contract
+                    contract::describe(&plugin.contract)
                 );
+                if let Some(deprecation) = contract::deprecation(&plugin.contract) {
+                    println!(
+                        "warn pipeline {:?}: plugin {deprecation}",
+                        pipeline_config.name
+                    );
+                }
                 plugins.push(Some(plugin));
             }
             Err(error) => {

@@ -7,6 +7,7 @@
 
 mod build;
 mod check;
+mod clang;
 mod cleanup;
 mod completions;
 mod dlq;
@@ -35,7 +36,7 @@ use idem_host::traces::TraceExport;
 /// `sandbox::contract::SPOKEN` by a test).
 const VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION"),
-    " (plugin contracts: idem:plugin@0.3.0)"
+    " (plugin contracts: idem:plugin@0.3.0, idem:plugin@0.2.0 deprecated)"
 );
 
 /// Exactly-once database effects from at-least-once message delivery.
@@ -233,12 +234,19 @@ mod tests {
         assert_eq!(one_line(&added), "traces: refused");
     }
 
-    /// `idem --version` names every contract the host runs, and no other.
+    /// `idem --version` names every contract the host runs, and no other, and which are
+    /// deprecated.
     #[test]
     fn the_version_names_the_contracts_the_host_runs() {
         let spoken: Vec<String> = idem_host::sandbox::contract::SPOKEN
             .iter()
-            .map(|version| format!("idem:plugin@{version}"))
+            .map(|version| {
+                let deprecated = idem_host::sandbox::contract::is_deprecated(version);
+                format!(
+                    "idem:plugin@{version}{}",
+                    if deprecated { " deprecated" } else { "" }
+                )
+            })
             .collect();
         assert_eq!(
             VERSION,

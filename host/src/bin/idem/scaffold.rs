@@ -1,5 +1,5 @@
-//! `idem new` and `idem build`: a plugin project outside any idem checkout, in Rust, Python or
-//! JavaScript, built with its language's pinned toolchain.
+//! `idem new` and `idem build`: a plugin project outside any idem checkout, in Rust, Python,
+//! JavaScript, C or C++, built with its language's pinned toolchain (C and C++: `clang`).
 //!
 //! The files are embedded in the binary: the contract (`wit/world.wit`), the guest helper of
 //! the language (the same sources the example plugins in `plugins/` use), the build files with
@@ -16,6 +16,8 @@ pub enum Language {
     Rust,
     Python,
     Js,
+    C,
+    Cpp,
 }
 
 /// The pinned componentize-py, as the repository's own Python plugin is built with.
@@ -23,6 +25,7 @@ const COMPONENTIZE_PY: &str = "0.25.1";
 
 const WORLD_WIT: &str = idem_host::sandbox::WORLD_WIT;
 const CASES: &str = include_str!("../../../templates/common/cases.json");
+const ORDER: &str = include_str!("../../../templates/common/order.json");
 const SCHEMA: &str = include_str!("../../../templates/common/schema.sql");
 const PIPELINE: &str = include_str!("../../../templates/common/pipeline.toml");
 const README: &str = include_str!("../../../templates/common/README.md");
@@ -44,12 +47,19 @@ const JS_PACKAGE: &str = include_str!("../../../../plugins/loyalty-js/package.js
 const JS_LOCK: &str = include_str!("../../../../plugins/loyalty-js/package-lock.json");
 const JS_PACKAGE_NAME: &str = "idem-loyalty-js";
 
+const C_HANDLER: &str = include_str!("../../../templates/c/plugin.c");
+const CPP_HANDLER: &str = include_str!("../../../templates/cpp/plugin.cpp");
+const C_HELPER: &str = include_str!("../../../../plugins/idem-c/idem.h");
+const C_MANIFEST: &str = include_str!("../../../templates/c/idem.toml");
+
 impl Language {
     fn label(self) -> &'static str {
         match self {
             Language::Rust => "Rust",
             Language::Python => "Python",
             Language::Js => "JavaScript",
+            Language::C => "C",
+            Language::Cpp => "C++",
         }
     }
 
@@ -113,7 +123,36 @@ impl Language {
                 ),
                 (".gitignore", "node_modules/\n*.wasm\n".to_string(), ""),
             ],
+            Language::C | Language::Cpp => self.c_files(),
         }
+    }
+
+    /// A C or C++ project's own files.
+    fn c_files(self) -> Vec<(&'static str, String, &'static str)> {
+        let (handler, source, language) = match self {
+            Language::C => ("plugin.c", C_HANDLER, "c"),
+            _ => ("plugin.cpp", CPP_HANDLER, "cpp"),
+        };
+        vec![
+            (handler, source.to_string(), "the handler"),
+            (
+                "idem.h",
+                C_HELPER.to_string(),
+                "the guest helper (JSON field access, builders; C and C++)",
+            ),
+            (
+                "idem.toml",
+                C_MANIFEST
+                    .replace("{{language}}", language)
+                    .replace("{{source}}", handler),
+                "what `idem build` compiles, and extra compiler flags",
+            ),
+            (
+                ".gitignore",
+                format!("{}/\n*.wasm\n", crate::clang::BINDINGS),
+                "",
+            ),
+        ]
     }
 
     fn prerequisites(self) -> String {
@@ -129,6 +168,17 @@ impl Language {
                 "Needs Node.js 20 or later with npm; `idem build` runs `npm ci` the first time.\n"
                     .to_string()
             }
+            Language::C => format!(
+                "Needs clang, lld and wasi-libc for wasm32-wasi (Debian: `apt install {}`), or a WASI SDK with `WASI_SYSROOT` set to its sysroot. `idem build` writes the contract's C bindings into `{}/` each time.\n",
+                crate::clang::C_PACKAGES,
+                crate::clang::BINDINGS
+            ),
+            Language::Cpp => format!(
+                "Needs clang, lld, wasi-libc and libc++ for wasm32-wasi (Debian: `apt install {} {}`), or a WASI SDK with `WASI_SYSROOT` set to its sysroot. C++ is built without exceptions. `idem build` writes the contract's C bindings into `{}/` each time.\n",
+                crate::clang::C_PACKAGES,
+                crate::clang::CPP_PACKAGES,
+                crate::clang::BINDINGS
+            ),
         }
     }
 }
@@ -169,6 +219,7 @@ pub fn new(language: Language, directory: &Path) -> anyhow::Result<ExitCode> {
     let common = [
         ("wit/world.wit", WORLD_WIT.to_string()),
         ("cases.json", CASES.to_string()),
+        ("order.json", ORDER.to_string()),
         ("pipeline.toml", PIPELINE.to_string()),
         ("schema.sql", SCHEMA.to_string()),
         ("README.md", readme),
@@ -216,6 +267,12 @@ pub fn build(directory: &Path) -> anyhow::Result<ExitCode> {
         Language::Rust => build_rust(directory, &name, &staging)?,
         Language::Python => build_python(directory, &staging)?,
         Language::Js => build_js(directory, &staging)?,
+        Language::C | Language::Cpp => crate::clang::build(
+            directory,
+            &c_manifest(directory)?,
+            language == Language::Cpp,
+            &staging,
+        )?,
     }
     // Replaced by rename: a host watching the file never reads half of it.
     std::fs::rename(&staging, &output)
@@ -349,6 +406,12 @@ fn detect(directory: &Path) -> anyhow::Result<(Language, String)> {
     if directory.join("Cargo.toml").is_file() {
         return Ok((Language::Rust, toml_name("Cargo.toml", "package")?));
     }
+    if directory.join(C_MANIFEST_FILE).is_file() {
+        let manifest = c_manifest(directory)?;
+        let cpp = manifest.is_cpp(&directory.join(C_MANIFEST_FILE))?;
+        let language = if cpp { Language::Cpp } else { Language::C };
+        return Ok((language, manifest.plugin.name));
+    }
     if directory.join("package.json").is_file() {
         let package: serde_json::Value = serde_json::from_str(&read("package.json")?)
             .with_context(|| {
@@ -367,9 +430,20 @@ fn detect(directory: &Path) -> anyhow::Result<(Language, String)> {
         return Ok((Language::Python, toml_name("pyproject.toml", "project")?));
     }
     bail!(
-        "{} is not a plugin project (no Cargo.toml, package.json, or pyproject.toml with app.py); create one with `idem new <rust|python|js> <dir>`",
+        "{} is not a plugin project (no Cargo.toml, package.json, idem.toml, or pyproject.toml with app.py); create one with `idem new <rust|python|js|c|cpp> <dir>`",
         directory.display()
     )
+}
+
+/// The manifest of a C or C++ project.
+const C_MANIFEST_FILE: &str = "idem.toml";
+
+/// The C or C++ project's `idem.toml`, its errors naming the file and field.
+fn c_manifest(directory: &Path) -> anyhow::Result<crate::clang::Manifest> {
+    let path = directory.join(C_MANIFEST_FILE);
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    toml::from_str(&text).with_context(|| format!("{} is not a valid idem.toml", path.display()))
 }
 
 fn toolchain_present(program: &str) -> bool {

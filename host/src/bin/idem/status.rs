@@ -104,9 +104,7 @@ fn plugin_build(path: &Path) -> String {
         Err(error) => return format!("unreadable: {error}"),
     };
     let contract = match contract::of_component(&bytes) {
-        Some(version) if contract::is_spoken(&version) => {
-            format!("{}@{version}", contract::PACKAGE)
-        }
+        Some(version) if contract::is_spoken(&version) => contract::describe(&version),
         Some(version) => format!(
             "{}@{version}, which this host does not run",
             contract::PACKAGE

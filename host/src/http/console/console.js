@@ -211,7 +211,7 @@ function pipelineRow(pipeline, totals, retries) {
     el("td", { class: "depth" }, depthText ?? el("span", { class: "error" }, depth.error),
       depth ? el("div", { class: "muted" }, `read ${new Date(depth.at * 1000).toLocaleTimeString()}`) : null),
     el("td", {}, el("span", { class: "mono digest", title: plugin.path }, plugin.digest.slice(0, 19)),
-      el("div", { class: "muted contract" }, plugin.contract), el("div", { class: "muted" }, `loaded ${loaded}`), reload),
+      el("div", { class: plugin.contract_deprecated ? "error contract" : "muted contract" }, plugin.contract), el("div", { class: "muted" }, `loaded ${loaded}`), reload),
     el("td", {}, canvas),
     el("td", { class: "mono" }, OUTCOMES.filter((outcome) => totals[outcome]).map((outcome) => el("div", { class: outcome }, `${outcome} ${totals[outcome]}`))),
     el("td", { class: "mono" }, retryText),
