@@ -35,10 +35,13 @@ pub fn is_deprecated(version: &str) -> bool {
     is_spoken(version) && version != current()
 }
 
-/// How the host names a plugin's contract to an operator: `idem:plugin@0.3.0`, or for a
-/// deprecated one `idem:plugin@0.2.0 (deprecated: rebuild against idem:plugin@0.3.0)`.
+/// How the host names a plugin's contract to an operator: `idem:plugin@0.3.0`, for a
+/// deprecated one `idem:plugin@0.2.0 (deprecated: rebuild against idem:plugin@0.3.0)`, and
+/// for one it does not run `idem:plugin@0.4.0, which this host does not run`.
 pub fn describe(version: &str) -> String {
-    if is_deprecated(version) {
+    if !is_spoken(version) {
+        format!("{PACKAGE}@{version}, which this host does not run")
+    } else if is_deprecated(version) {
         format!(
             "{PACKAGE}@{version} (deprecated: rebuild against {PACKAGE}@{})",
             current()
@@ -118,6 +121,10 @@ mod tests {
         assert!(!is_deprecated(current()));
         assert!(!is_deprecated("0.1.0"));
         assert_eq!(describe(current()), format!("idem:plugin@{}", current()));
+        assert_eq!(
+            describe("0.4.0"),
+            "idem:plugin@0.4.0, which this host does not run"
+        );
         assert_eq!(
             describe("0.2.0"),
             format!(

@@ -28,8 +28,8 @@ pub struct Manifest {
 pub struct PluginTable {
     /// Names the `.wasm` file.
     pub name: String,
-    /// `c` or `cpp`.
-    pub language: String,
+    /// `c` or `cpp` (any other value is refused where the file is read, naming the line).
+    pub language: ManifestLanguage,
     /// The sources to compile, relative to the project.
     pub sources: Vec<PathBuf>,
     /// Extra compiler flags, e.g. `["-DNDEBUG"]`.
@@ -44,34 +44,28 @@ fn default_wit() -> PathBuf {
     PathBuf::from("wit")
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ManifestLanguage {
+    C,
+    Cpp,
+}
+
 impl Manifest {
-    /// Whether this is a C++ project (`language = "cpp"`); anything but `c` and `cpp` is
-    /// refused, naming the field.
-    pub fn is_cpp(&self, path: &Path) -> anyhow::Result<bool> {
-        match self.plugin.language.as_str() {
-            "c" => Ok(false),
-            "cpp" => Ok(true),
-            other => bail!(
-                "{}: plugin.language is {other:?}; it must be \"c\" or \"cpp\"",
-                path.display()
-            ),
-        }
+    /// Whether this is a C++ project (`language = "cpp"`).
+    pub fn is_cpp(&self) -> bool {
+        self.plugin.language == ManifestLanguage::Cpp
     }
 }
 
 /// Builds the project in `directory` described by `manifest` into `staging`.
-pub fn build(
-    directory: &Path,
-    manifest: &Manifest,
-    cpp: bool,
-    staging: &Path,
-) -> anyhow::Result<()> {
+pub fn build(directory: &Path, manifest: &Manifest, staging: &Path) -> anyhow::Result<()> {
     let wit = directory.join(&manifest.plugin.wit);
     let bindings = directory.join(BINDINGS);
     write_bindings(&wit, &bindings)?;
     // Relative to the project, where clang runs.
     let core = Path::new(BINDINGS).join(format!("{}.core.wasm", manifest.plugin.name));
-    compile(directory, manifest, cpp, &core)?;
+    compile(directory, manifest, &core)?;
     let core = directory.join(core);
     let module = std::fs::read(&core).with_context(|| format!("cannot read {}", core.display()))?;
     let component = componentize(&module)?;
@@ -112,7 +106,8 @@ fn write_bindings(wit: &Path, bindings: &Path) -> anyhow::Result<()> {
 
 /// Compiles every source (C with `clang`, C++ with `clang++`) and the bindings, and links
 /// them into the core module `core`.
-fn compile(directory: &Path, manifest: &Manifest, cpp: bool, core: &Path) -> anyhow::Result<()> {
+fn compile(directory: &Path, manifest: &Manifest, core: &Path) -> anyhow::Result<()> {
+    let cpp = manifest.is_cpp();
     let packages = if cpp {
         format!("{C_PACKAGES} {CPP_PACKAGES}")
     } else {

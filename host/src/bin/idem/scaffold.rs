@@ -267,12 +267,9 @@ pub fn build(directory: &Path) -> anyhow::Result<ExitCode> {
         Language::Rust => build_rust(directory, &name, &staging)?,
         Language::Python => build_python(directory, &staging)?,
         Language::Js => build_js(directory, &staging)?,
-        Language::C | Language::Cpp => crate::clang::build(
-            directory,
-            &c_manifest(directory)?,
-            language == Language::Cpp,
-            &staging,
-        )?,
+        Language::C | Language::Cpp => {
+            crate::clang::build(directory, &c_manifest(directory)?, &staging)?
+        }
     }
     // Replaced by rename: a host watching the file never reads half of it.
     std::fs::rename(&staging, &output)
@@ -408,8 +405,11 @@ fn detect(directory: &Path) -> anyhow::Result<(Language, String)> {
     }
     if directory.join(C_MANIFEST_FILE).is_file() {
         let manifest = c_manifest(directory)?;
-        let cpp = manifest.is_cpp(&directory.join(C_MANIFEST_FILE))?;
-        let language = if cpp { Language::Cpp } else { Language::C };
+        let language = if manifest.is_cpp() {
+            Language::Cpp
+        } else {
+            Language::C
+        };
         return Ok((language, manifest.plugin.name));
     }
     if directory.join("package.json").is_file() {

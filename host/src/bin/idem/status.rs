@@ -103,13 +103,9 @@ fn plugin_build(path: &Path) -> String {
         Ok(bytes) => bytes,
         Err(error) => return format!("unreadable: {error}"),
     };
-    let contract = match contract::of_component(&bytes) {
-        Some(version) if contract::is_spoken(&version) => contract::describe(&version),
-        Some(version) => format!(
-            "{}@{version}, which this host does not run",
-            contract::PACKAGE
-        ),
-        None => "no idem:plugin contract".to_string(),
-    };
+    let contract = contract::of_component(&bytes).map_or_else(
+        || format!("no {} contract", contract::PACKAGE),
+        |version| contract::describe(&version),
+    );
     format!("{}, {contract}", idem_host::sandbox::digest(&bytes))
 }
