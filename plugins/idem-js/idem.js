@@ -14,6 +14,10 @@
 // beyond 2^53 keep every digit. A failure is thrown (`invalid(reason)`); its reason is what an
 // operator reads in the dead-letter queue and what a case in cases.json matches.
 
+import { log as hostLog } from "idem:plugin/log@0.3.0";
+
+const WARM_UP_ROUNDS = 3;
+let warmingUp = false;
 const I64_MIN = -(2n ** 63n);
 const I64_MAX = 2n ** 63n - 1n;
 
@@ -191,4 +195,53 @@ export function decision(key, ...effects) {
 /** Not for this consumer: acked with no claim and no effect. */
 export function skip(reason) {
   return { tag: "skip", val: reason };
+}
+
+/**
+ * Log `message` through the host at `level` ("trace", "debug", "info", "warn" or "error"); at
+ * most 32 lines per message reach the host's log. Dropped during `warmUp`, when the plugin is
+ * being built and there is no host: a handler that calls the `idem:plugin/log` import itself
+ * instead stops a warmed-up build with "You cannot call arbitrary imported functions during
+ * Wizer initialization".
+ */
+export function log(level, message) {
+  if (!warmingUp) hostLog(level, message);
+}
+
+/**
+ * Run `handler` on sample message `bodies` (strings or bytes) while the plugin is built.
+ *
+ * Call it at module level, after the handler. componentize-js snapshots the module after it
+ * has run, and every instance (a fresh one per message by default) starts from that snapshot:
+ * with the handler's code paths already run, a fresh instance skips compiling them on its
+ * first call. Every message still starts from the same state; what the warm-up leaves behind
+ * is part of it, so use bodies like the messages the pipeline gets. Each body is run
+ * `WARM_UP_ROUNDS` times. Failures the handler throws are expected and ignored; `log` calls
+ * are dropped.
+ */
+export function warmUp(handler, ...bodies) {
+  warmingUp = true;
+  try {
+    for (const body of Array(WARM_UP_ROUNDS).fill(bodies).flat()) {
+      const bytes = typeof body === "string" ? new TextEncoder().encode(body) : body;
+      try {
+        handler.handle({
+          pipeline: "warm-up",
+          source: "rabbitmq",
+          queue: "warm-up",
+          subject: "warm-up",
+          body: bytes,
+          headers: [],
+          messageId: undefined,
+          redelivered: false,
+          deliveryCount: undefined,
+          attributes: [],
+        });
+      } catch {
+        // A sample the handler refuses still warms the paths it took.
+      }
+    }
+  } finally {
+    warmingUp = false;
+  }
 }

@@ -3,7 +3,16 @@
 // Same logic and reasons as plugins/loyalty (Rust); tests/conformance checks they agree.
 // Field access and builders come from the JavaScript guest helper, plugins/idem-js/idem.js.
 
-import { decision, exec, integerField, invalid, parseObject, render, skip } from "../idem-js/idem.js";
+import {
+  decision,
+  exec,
+  integerField,
+  invalid,
+  parseObject,
+  render,
+  skip,
+  warmUp,
+} from "../idem-js/idem.js";
 
 export const handler = {
   handle(message) {
@@ -23,3 +32,6 @@ export const handler = {
     );
   },
 };
+
+// Every instance starts from the module as it stands after this line (see warmUp in idem.js).
+warmUp(handler, '{"order_id": 1, "customer_id": 1, "total_cents": 5000}');

@@ -29,3 +29,7 @@ class Handler(exports.Handler):
             idem.exec("credit_balance", customer_id, points),
             idem.exec("record_ledger", customer_id, order_id, points),
         )
+
+
+# Every instance starts from the module as it stands after this line (see idem.warm_up).
+idem.warm_up(Handler, '{"order_id": 1, "customer_id": 1, "total_cents": 5000}')

@@ -350,6 +350,8 @@ async fn new_build_test_serve(language: &str) {
         again.stderr
     );
 
+    let logs = add_a_log_line(language, &project);
+
     let built = Command::new(idem_binary())
         .arg("build")
         .current_dir(&project)
@@ -442,6 +444,16 @@ async fn new_build_test_serve(language: &str) {
         tried.stdout,
         tried.stderr
     );
+    // The warm-up ran the handler while the plugin was built, with its log dropped; served
+    // messages still log.
+    if logs {
+        assert!(
+            format!("{}{}", tried.stdout, tried.stderr).contains("recording order 9912"),
+            "{}{}",
+            tried.stdout,
+            tried.stderr
+        );
+    }
     let host = env.start_host(
         idem_host::config::Config::from_toml(&config_path, &text).expect("the fragment is valid"),
     );
@@ -475,6 +487,41 @@ async fn new_build_test_serve(language: &str) {
     );
     let _ = std::fs::remove_dir_all(&workspace);
     env.cleanup().await;
+}
+
+/// Edits the new Python or JavaScript project's handler to log each order, as a user would;
+/// the template's warm-up then runs a handler that logs while the plugin is built. Whether
+/// the language's handler was edited.
+fn add_a_log_line(language: &str, project: &Path) -> bool {
+    let (file, anchor, line, import) = match language {
+        "python" => (
+            "app.py",
+            "        order_id = idem.integer_field(event, \"order_id\")\n",
+            "        log.log(log.Level.INFO, f\"recording order {order_id}\")\n",
+            (
+                "import idem\n",
+                "import idem\nfrom wit_world.imports import log\n",
+            ),
+        ),
+        "js" => (
+            "plugin.js",
+            "    const orderId = integerField(event, \"order_id\");\n",
+            "    log(\"info\", `recording order ${orderId}`);\n",
+            (" skip, warmUp }", " skip, warmUp, log }"),
+        ),
+        _ => return false,
+    };
+    let path = project.join(file);
+    let source = std::fs::read_to_string(&path).expect("handler source");
+    assert!(
+        source.contains(anchor) && source.contains(import.0),
+        "the {language} template changed: {source}"
+    );
+    let edited = source
+        .replacen(anchor, &format!("{anchor}{line}"), 1)
+        .replacen(import.0, import.1, 1);
+    std::fs::write(&path, edited).expect("edit handler");
+    true
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,6 +35,8 @@ struct Measured {
     compile: Duration,
     messages: usize,
     call: Percentiles,
+    /// Where the call's time went: making the sandbox, the plugin's `handle`, taking it down.
+    phases: [Percentiles; 3],
     memory_bytes: usize,
 }
 
@@ -124,6 +126,20 @@ async fn main() {
         micros(native.mean),
         "-"
     );
+    println!(
+        "where the time goes, p50: {:<23} {:>12} {:>10} {:>10}",
+        "", "instantiate", "handle", "teardown"
+    );
+    for plugin in &measured {
+        let [instantiate, handle, teardown] = &plugin.phases;
+        println!(
+            "{:<50} {:>12} {:>10} {:>10}",
+            plugin.path,
+            micros(instantiate.p50),
+            micros(handle.p50),
+            micros(teardown.p50)
+        );
+    }
     for plugin in &measured {
         println!(
             "{}: sandbox overhead at p50 {} ({:.1}x native)",
@@ -147,6 +163,7 @@ async fn measure(
     let compile = compile_started.elapsed();
     let size = std::fs::metadata(path).map_or(0, |metadata| metadata.len());
     let mut samples = Vec::with_capacity(MESSAGES);
+    let mut phases: [Vec<Duration>; 3] = Default::default();
     let mut memory_bytes = 0;
     let mut measuring_since = None;
     for (index, message) in messages.iter().enumerate() {
@@ -163,6 +180,13 @@ async fn measure(
             continue;
         }
         samples.push(elapsed);
+        for (phase, took) in
+            phases
+                .iter_mut()
+                .zip([stats.instantiate, stats.handle, stats.teardown])
+        {
+            phase.push(took);
+        }
         let since = *measuring_since.get_or_insert_with(Instant::now);
         if since.elapsed() > TIME_BUDGET {
             break;
@@ -174,6 +198,7 @@ async fn measure(
         compile,
         messages: samples.len(),
         call: Percentiles::of(&mut samples),
+        phases: phases.map(|mut phase| Percentiles::of(&mut phase)),
         memory_bytes,
     }
 }

@@ -13,7 +13,7 @@ mod state;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, Linker};
@@ -52,6 +52,12 @@ pub struct CallStats {
     pub memory_bytes: usize,
     /// Whether the call ran in an instance that had served earlier messages.
     pub reused: bool,
+    /// Making the sandbox: the store and the instance (zero for a reused instance).
+    pub instantiate: Duration,
+    /// The plugin's `handle`, from the call to its returned outcome.
+    pub handle: Duration,
+    /// Taking a fresh sandbox down (zero when the instance is kept for the next message).
+    pub teardown: Duration,
 }
 
 /// A compiled, type-checked component, ready to instantiate per message.
@@ -363,6 +369,7 @@ impl PluginRuntime {
             _ => None,
         };
         let reused = idle.is_some();
+        let started = Instant::now();
         let (mut store, mut handler, calls) = match idle {
             Some(idle) => (idle.store, Some(idle.handler), idle.calls),
             None => (self.new_store(&message.pipeline, limits), None, 0),
@@ -371,20 +378,23 @@ impl PluginRuntime {
             .data_mut()
             .begin_call(deadline.as_millis().div_ceil(EPOCH_TICK.as_millis()));
         store.set_epoch_deadline(1);
+        let mut stats = CallStats {
+            reused,
+            ..CallStats::default()
+        };
         let call = async {
             let handler = match handler.take() {
                 Some(handler) => handler,
                 None => plugin.pre.instantiate_async(&mut store).await?,
             };
+            stats.instantiate = started.elapsed();
             let returned = handler.handle(&mut store, message).await?;
+            stats.handle = started.elapsed() - stats.instantiate;
             Ok::<_, wasmtime::Error>((handler, returned))
         };
         // The epoch callback stops guest code; the timeout also stops a host call that blocks.
         let result = tokio::time::timeout(deadline + EPOCH_TICK * 2, call).await;
-        let stats = CallStats {
-            memory_bytes: store.data().limiter.memory_used,
-            reused,
-        };
+        stats.memory_bytes = store.data().limiter.memory_used;
         let (returned, handler) = match result {
             Err(_elapsed) => (Err(PluginError::DeadlineExceeded { deadline }), None),
             Ok(Err(error)) => (
@@ -411,6 +421,10 @@ impl PluginRuntime {
                 handler,
                 calls: calls + 1,
             });
+        } else {
+            let tearing_down = Instant::now();
+            drop(store);
+            stats.teardown = tearing_down.elapsed();
         }
         (outcome, stats)
     }

@@ -25,3 +25,9 @@ class Handler(exports.Handler):
             f"order-placed:{order_id}",
             idem.exec("record_order", order_id, customer_id, total_cents),
         )
+
+
+# Every instance (a fresh one per message unless limits.messages_per_instance says otherwise)
+# starts from the module as it stands after this line: run the handler on messages like the
+# pipeline's, so a fresh instance does not redo its first-call work (see idem.warm_up).
+idem.warm_up(Handler, '{"type": "OrderPlaced", "order_id": 9912, "customer_id": 7, "total_cents": 5000}')
