@@ -21,7 +21,10 @@
 # RSS and the ratios idem/pgbench, idem/reference and idem/raw for batch size 1 and the best
 # batch size, each Python or JavaScript build against the Rust one, and JetStream against
 # RabbitMQ at the same workers and batch size. CLAIMS_PREFILL=N runs
-# everything against a claim table already holding N old claims.
+# everything against a claim table already holding N old claims. RTT=0.5ms puts every
+# client's database connections (idem's, pgbench's, the reference's) behind a delaying TCP
+# proxy (bench/src/delay.rs) that adds 0.5 ms to each round trip, as a database on another
+# machine of the zone would; the report gives the proxy's own cost, measured first.
 # Exits non-zero if any run fails its verification. See bench/README.md.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -41,6 +44,8 @@ BASELINES="${BASELINES-raw pgbench reference}" # which baselines to run ("" for 
 PLUGIN="${PLUGIN:-loyalty}"               # plugin builds, each name[@N]: N = limits.messages_per_instance
                                           # e.g. PLUGIN="loyalty loyalty-py loyalty-py@1000 loyalty-js loyalty-js@1000"
 CLAIMS_PREFILL="${CLAIMS_PREFILL:-0}"     # old claims in processed_messages before every run
+RTT="${RTT:-0}"                           # added to every database round trip of the clients: 0, 500us, 0.5ms, 1ms
+PROXY_PORT="${PROXY_PORT:-6433}"          # where the delaying proxy listens when RTT is not 0 (127.0.0.1 only)
 BUILD="${BUILD:-1}"                       # 0: use the binaries already in target/release
 RUN_TIMEOUT="${RUN_TIMEOUT:-300}"         # seconds one consumer run may take before it fails
 HTTP_PORT="${HTTP_PORT:-9474}"            # idem's /metrics during the bench (127.0.0.1 only)
@@ -62,6 +67,7 @@ idem="${IDEM_BIN:-$root/target/release/idem}"                   # another build:
 traffic="${TRAFFIC_BIN:-$root/target/release/idem-traffic}"
 raw_consume="${RAW_CONSUME_BIN:-$root/target/release/raw-consume}"
 streams="${STREAMS_BIN:-$root/target/release/streams}"          # JetStream chores (bench/src/bin/streams.rs)
+delay_proxy="${DELAY_PROXY_BIN:-$root/target/release/delay-proxy}" # RTT (bench/src/bin/delay-proxy.rs)
 venv="$root/bench/reference/.venv"
 py="$venv/bin/python"
 metrics_url="http://127.0.0.1:$HTTP_PORT/metrics"
@@ -123,7 +129,7 @@ if [ "$BUILD" = 1 ]; then
   command -v cargo >/dev/null ||
     die "cargo not found; install Rust (rustup), or run with BUILD=0 and binaries in target/release"
   say "building idem, idem-traffic, raw-consume and streams (release) and the plugins"
-  cargo build --release -p idem-host --bin idem -p idem-e2e --bin idem-traffic -p idem-bench --bin raw-consume --bin streams ||
+  cargo build --release -p idem-host --bin idem -p idem-e2e --bin idem-traffic -p idem-bench --bin raw-consume --bin streams --bin delay-proxy ||
     die "cargo build --release failed (see above); BUILD=0 reuses the binaries in target/release"
   scripts/build-plugins.sh >/dev/null || die "scripts/build-plugins.sh failed (see above)"
 fi
@@ -134,6 +140,9 @@ for entry in $PLUGIN; do
 done
 if [[ " $BASELINES " == *" raw "* ]] && [ ! -x "$raw_consume" ]; then
   die "$raw_consume is missing; build it with: cargo build --release -p idem-bench --bin raw-consume"
+fi
+if [ "$RTT" != 0 ] && [ ! -x "$delay_proxy" ]; then
+  die "$delay_proxy is missing; build it with: cargo build --release -p idem-bench --bin delay-proxy"
 fi
 if [ "$jetstream" = 1 ] && [ ! -x "$streams" ]; then
   die "$streams is missing; build it with: cargo build --release -p idem-bench --bin streams"
@@ -151,13 +160,40 @@ messages=$((ORDERS + duplicates_count)) # what idem-traffic publishes: every ord
 load_before="$(cut -d' ' -f1-3 /proc/loadavg)"
 
 idem_pid=""
-stop_idem() { # on exit or interrupt: stop the host this script started, and only that one
+proxy_pid=""
+stop_idem() { # on exit or interrupt: stop the host and the proxy this script started, only those
   if [ -n "$idem_pid" ] && kill -0 "$idem_pid" 2>/dev/null; then
     kill -TERM "$idem_pid" 2>/dev/null || true
     wait "$idem_pid" 2>/dev/null || true
   fi
+  if [ -n "$proxy_pid" ] && kill -0 "$proxy_pid" 2>/dev/null; then
+    kill -TERM "$proxy_pid" 2>/dev/null || true
+    wait "$proxy_pid" 2>/dev/null || true
+  fi
 }
 trap stop_idem EXIT
+
+# The clients' database: straight, or through the delaying proxy (set-up and checks stay
+# straight, so only the measured work pays the delay).
+client_url="$db_url"
+proxy_note="none (RTT=0: loopback)"
+if [ "$RTT" != 0 ]; then
+  pg_address="$(sed -E 's|^postgres(ql)?://([^@/]*@)?([^/:]+):?([0-9]*).*|\3:\4|' <<<"$PG_URL")"
+  [[ "$pg_address" == *: ]] && pg_address="${pg_address}5432"
+  "$delay_proxy" --listen "127.0.0.1:$PROXY_PORT" --upstream "$pg_address" --rtt "$RTT" \
+    --probe "$admin_url" >"$logs/delay-proxy.log" 2>&1 &
+  proxy_pid=$!
+  for _ in $(seq 1 300); do
+    grep -q "probe" "$logs/delay-proxy.log" 2>/dev/null && break
+    kill -0 "$proxy_pid" 2>/dev/null || die "the delaying proxy stopped: $(cat "$logs/delay-proxy.log")"
+    sleep 0.1
+  done
+  grep -q "probe" "$logs/delay-proxy.log" || die "the delaying proxy's probe did not finish; see $logs/delay-proxy.log"
+  user_part="$(sed -nE 's|^postgres(ql)?://([^@/]*@).*|\2|p' <<<"$PG_URL")"
+  client_url="postgres://${user_part}127.0.0.1:$PROXY_PORT/$DB_NAME"
+  proxy_note="$(sed -n 's/^delay-proxy: probe, //p' "$logs/delay-proxy.log")"
+  say "database clients go through the delaying proxy: $RTT per round trip; $proxy_note"
+fi
 trap 'exit 130' INT TERM
 
 source=rabbitmq # the source of the runs being made ("-" for pgbench, which has none)
@@ -178,7 +214,7 @@ write_config() { # write_config <file> <workers> <batch size> [batch table: 1 (d
   cat >"$file" <<EOF
 # Written by bench/throughput.sh: the loyalty pipeline ($entry) at $workers worker(s), batch size $batch.
 [database]
-url = "$db_url"
+url = "$client_url"
 max_connections = $workers   # the same number of connections as the baselines
 
 [http]
@@ -430,7 +466,7 @@ run_pgbench() { # run_pgbench <clients>
   if ! output="$(cd "$logs" && pgbench -n -M prepared -c "$clients" -j "$clients" -t "$per_client" \
     -D i=0 -D clients="$clients" -D messages="$messages" -D orders="$ORDERS" \
     -D customers="$CUSTOMERS" -D seed=$RANDOM -f "$root/bench/pgbench/message.sql" \
-    --log --log-prefix=pgbench_log "$db_url" 2>&1)"; then
+    --log --log-prefix=pgbench_log "$client_url" 2>&1)"; then
     echo "$output" >"$logs/pgbench-c$clients.log"
     say "$label: pgbench failed; see $logs/pgbench-c$clients.log"
     failures=$((failures + 1))
@@ -462,7 +498,7 @@ run_reference() { # run_reference <workers>
   fresh_database
   fresh_queues_and_publish
   say "$label: consuming"
-  if ! output="$("$py" bench/reference/consumer.py --queue "$QUEUE" --database-url "$db_url" \
+  if ! output="$("$py" bench/reference/consumer.py --queue "$QUEUE" --database-url "$client_url" \
     --amqp-url "$AMQP_URL" --workers "$workers" --prefetch "$PREFETCH" --expect "$messages" \
     --idle-timeout 10 2>"$logs/reference-w$workers.log")"; then
     say "$label: the reference consumer failed; see $logs/reference-w$workers.log"
@@ -654,6 +690,7 @@ load_after="$(cut -d' ' -f1-3 /proc/loadavg)"
   echo "load average before: $load_before, after: $load_after"
   echo "data: $messages messages per run = $ORDERS orders + $duplicates_count redeliveries ($DUPLICATES), $CUSTOMERS customers; publisher: $PUBLISHER; prefetch $PREFETCH; batch linger $BATCH_LINGER"
   echo "claims already in processed_messages before each run: $CLAIMS_PREFILL (CLAIMS_PREFILL); plugins: $PLUGIN"
+  echo "database round trip added (RTT): $RTT; delaying proxy: $proxy_note"
   echo
   "$py" - "$runs" <<'PY'
 import csv, sys

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+pub mod delay;
+
 /// Latency percentiles of a sample set.
 #[derive(Debug, Clone, Copy)]
 pub struct Percentiles {

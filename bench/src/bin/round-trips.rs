@@ -13,7 +13,8 @@
 //! All but `idem, TLS` talk plain TCP (`sslmode=disable`), so they compare like with like.
 //!
 //! Run: `cargo run --release -p idem-bench --bin round-trips` (PostgreSQL on 127.0.0.1;
-//! IDEM_BENCH_ADMIN_URL and IDEM_BENCH_DATABASE_URL override where).
+//! IDEM_BENCH_ADMIN_URL and IDEM_BENCH_DATABASE_URL override where; `RTT=0.5ms` puts the
+//! measured connections behind a proxy adding 0.5 ms to every round trip, `idem_bench::delay`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -65,6 +66,23 @@ async fn main() {
     let database_url = std::env::var("IDEM_BENCH_DATABASE_URL").unwrap_or_else(|_| {
         "postgres://postgres@127.0.0.1:5432/idem_bench_round_trips?sslmode=disable".into()
     });
+    // RTT=0.5ms: every connection below goes through a proxy adding that to each round trip.
+    let rtt = std::env::var("RTT").map_or(Ok(Duration::ZERO), |text| {
+        idem_bench::delay::parse_rtt(&text)
+    });
+    let rtt = rtt.unwrap_or_else(|error| panic!("{error}"));
+    let (database_url, probe) = idem_bench::delay::behind_proxy(&database_url, rtt)
+        .await
+        .unwrap_or_else(|error| panic!("{error}"));
+    if let Some(probe) = probe {
+        println!(
+            "database round trips through a delaying proxy adding {} each; SELECT 1 p50: direct {}, through the proxy {} (the proxy's own cost: {})",
+            idem_bench::micros(rtt),
+            idem_bench::micros(probe.direct.p50),
+            idem_bench::micros(probe.proxied.p50),
+            idem_bench::micros(probe.overhead(rtt))
+        );
+    }
     let config = idem_bench::demo_config(&database_url);
     let tls_config = idem_bench::demo_config(&with_sslmode(&database_url, "require"));
     let pipeline = config.pipelines[0].clone();
