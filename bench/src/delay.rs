@@ -152,12 +152,15 @@ impl Probe {
     }
 }
 
-/// Times `rounds` simple-query round trips on a connection to `direct` (a PostgreSQL URL), then
-/// on one to the same server through the proxy at `proxy`.
-pub async fn probe(direct: &str, proxy: SocketAddr, rounds: usize) -> Result<Probe, String> {
+/// Round trips each probe times, each way.
+const PROBE_ROUNDS: usize = 2_000;
+
+/// Times [`PROBE_ROUNDS`] simple-query round trips on a connection to `direct` (a PostgreSQL
+/// URL), then on one to the same server through the proxy at `proxy`.
+pub async fn probe(direct: &str, proxy: SocketAddr) -> Result<Probe, String> {
     Ok(Probe {
-        direct: round_trips(direct, rounds).await?,
-        proxied: round_trips(&through(direct, proxy)?, rounds).await?,
+        direct: round_trips(direct).await?,
+        proxied: round_trips(&through(direct, proxy)?).await?,
     })
 }
 
@@ -173,13 +176,13 @@ fn through(url: &str, proxy: SocketAddr) -> Result<String, String> {
     Ok(parsed.to_string())
 }
 
-async fn round_trips(url: &str, rounds: usize) -> Result<crate::Percentiles, String> {
+async fn round_trips(url: &str) -> Result<crate::Percentiles, String> {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .map_err(|error| format!("cannot connect to {url} for the probe: {error}"))?;
     let running = tokio::spawn(connection);
-    let mut samples = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
+    let mut samples = Vec::with_capacity(PROBE_ROUNDS);
+    for _ in 0..PROBE_ROUNDS {
         let started = Instant::now();
         client
             .simple_query("SELECT 1")
@@ -198,12 +201,9 @@ pub async fn behind_proxy(url: &str, rtt: Duration) -> Result<(String, Option<Pr
     if rtt.is_zero() {
         return Ok((url.to_string(), None));
     }
-    let upstream = url::Url::parse(url)
-        .and_then(|parsed| {
-            parsed
-                .socket_addrs(|| Some(5432))
-                .map_err(|_| url::ParseError::EmptyHost)
-        })
+    let parsed = url::Url::parse(url).map_err(|error| format!("{url}: {error}"))?;
+    let upstream = parsed
+        .socket_addrs(|| Some(5432))
         .map_err(|error| format!("{url}: {error}"))?
         .into_iter()
         .next()
@@ -211,6 +211,6 @@ pub async fn behind_proxy(url: &str, rtt: Duration) -> Result<(String, Option<Pr
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
     let proxy = spawn(loopback, upstream, rtt)
         .map_err(|error| format!("cannot start the delaying proxy: {error}"))?;
-    let probe = probe(url, proxy, 2_000).await?;
+    let probe = probe(url, proxy).await?;
     Ok((through(url, proxy)?, Some(probe)))
 }

@@ -181,10 +181,14 @@ export function exec(statement, ...params) {
   return { tag: "exec", val: { statement, params: params.map(value) } };
 }
 
+/** A string's UTF-8 bytes; bytes as they are. */
+function bytesOf(text) {
+  return typeof text === "string" ? new TextEncoder().encode(text) : text;
+}
+
 /** Send `payload` (a string or bytes) to an outbox destination after the commit. */
 export function outbox(destination, payload, { key, headers = [] } = {}) {
-  const bytes = typeof payload === "string" ? new TextEncoder().encode(payload) : payload;
-  return { tag: "outbox", val: { destination, payload: bytes, headers, key } };
+  return { tag: "outbox", val: { destination, payload: bytesOf(payload), headers, key } };
 }
 
 /** Claim `key`, then apply `effects` in order, in one transaction. */
@@ -223,14 +227,13 @@ export function warmUp(handler, ...bodies) {
   warmingUp = true;
   try {
     for (const body of Array(WARM_UP_ROUNDS).fill(bodies).flat()) {
-      const bytes = typeof body === "string" ? new TextEncoder().encode(body) : body;
       try {
         handler.handle({
           pipeline: "warm-up",
           source: "rabbitmq",
           queue: "warm-up",
           subject: "warm-up",
-          body: bytes,
+          body: bytesOf(body),
           headers: [],
           messageId: undefined,
           redelivered: false,

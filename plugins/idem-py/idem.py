@@ -189,12 +189,20 @@ def exec(statement: str, *params):
     return Effect_Exec(Exec(statement=statement, params=[value(param) for param in params]))
 
 
+def _bytes_of(text) -> bytes:
+    """A str's UTF-8 bytes; bytes as they are."""
+    return text.encode("utf-8") if isinstance(text, str) else text
+
+
 def outbox(destination: str, payload, key=None, headers=()):
     """Send ``payload`` (bytes or str) to an outbox destination after the commit."""
-    if isinstance(payload, str):
-        payload = payload.encode("utf-8")
     return Effect_Outbox(
-        Outbox(destination=destination, payload=payload, headers=list(headers), key=key)
+        Outbox(
+            destination=destination,
+            payload=_bytes_of(payload),
+            headers=list(headers),
+            key=key,
+        )
     )
 
 
@@ -226,8 +234,6 @@ def warm_up(handler_class, *bodies):
     _log.log = lambda level, message: None
     try:
         for body in bodies * WARM_UP_ROUNDS:
-            if isinstance(body, str):
-                body = body.encode("utf-8")
             try:
                 handler.handle(
                     Message(
@@ -235,7 +241,7 @@ def warm_up(handler_class, *bodies):
                         source="rabbitmq",
                         queue="warm-up",
                         subject="warm-up",
-                        body=body,
+                        body=_bytes_of(body),
                         headers=[],
                         message_id=None,
                         redelivered=False,

@@ -11,8 +11,6 @@ use std::net::SocketAddr;
 use idem_bench::delay;
 use idem_bench::micros;
 
-const PROBE_ROUNDS: usize = 2_000;
-
 fn main() {
     if let Err(error) = run() {
         eprintln!("delay-proxy: {error}");
@@ -59,7 +57,7 @@ fn run() -> Result<(), String> {
             .enable_all()
             .build()
             .map_err(|error| error.to_string())?;
-        let probe = runtime.block_on(delay::probe(&url, address, PROBE_ROUNDS))?;
+        let probe = runtime.block_on(delay::probe(&url, address))?;
         println!(
             "delay-proxy: probe, SELECT 1 round trip p50 / p99: direct {} / {}, through the proxy {} / {}; the proxy adds {} beyond the RTT at p50",
             micros(probe.direct.p50),

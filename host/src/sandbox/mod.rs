@@ -52,7 +52,7 @@ pub struct CallStats {
     pub memory_bytes: usize,
     /// Whether the call ran in an instance that had served earlier messages.
     pub reused: bool,
-    /// Making the sandbox: the store and the instance (zero for a reused instance).
+    /// Making the sandbox: the store and the instance (next to nothing for a reused one).
     pub instantiate: Duration,
     /// The plugin's `handle`, from the call to its returned outcome.
     pub handle: Duration,
