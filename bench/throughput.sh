@@ -6,8 +6,9 @@
 #     (a RabbitMQ queue, a NATS JetStream stream);
 #   - raw: the broker's own rate, a consumer that only acks the same messages at the same
 #     prefetch (bench/src/bin/raw-consume.rs), for each source;
-#   - pgbench: the same claim + credit + ledger transaction, one message per transaction, at
-#     the same number of connections (the database's own limit; bench/pgbench/message.sql);
+#   - pgbench: the same claim + credit + ledger transaction, one message per transaction as
+#     one statement (one round trip), at the same number of connections (the database's own
+#     limit; bench/pgbench/message.sql);
 #   - reference: the guide's Python consumer (psycopg + pika, one transaction per message,
 #     ack after commit; bench/reference/consumer.py) at the same worker counts.
 #
@@ -37,6 +38,8 @@ CUSTOMERS="${CUSTOMERS:-20}"              # customers the orders are spread over
 WORKERS="${WORKERS:-1 4}"                 # idem workers = reference processes = pgbench clients
 BATCH_SIZES="${BATCH_SIZES:-1 16 64 256}" # idem batch sizes tried; best = fastest per worker count
 BATCH_LINGER="${BATCH_LINGER:-0ms}"       # [pipelines.bench.batch] linger when size > 1 (idem default: 0ms)
+BATCH_LATENCY="${BATCH_LATENCY:-}"        # e.g. 10ms: one more run per worker count, "batch=auto": size = the
+                                          # largest of BATCH_SIZES, adapting to settle within this (batch.latency)
 PREFETCH="${PREFETCH:-64}"                # per consumer channel; batches get max(PREFETCH, 2*size*workers)
 PUBLISHER="${PUBLISHER:-idem-traffic}"    # idem-traffic | python (bench/reference/queues.py, faster; RabbitMQ only)
 SOURCE="${SOURCE:-rabbitmq}"              # sources idem and raw consume: "rabbitmq", "jetstream" or both
@@ -75,6 +78,35 @@ metrics_url="http://127.0.0.1:$HTTP_PORT/metrics"
 say() { echo "bench: $*" >&2; }
 die() { echo "bench: error: $*" >&2; exit 1; }
 now_ns() { date +%s%N; }
+# CPU time (clock ticks, user + system) used so far by idem (its pid), PostgreSQL (every
+# process named postgres) and the broker (RabbitMQ's beam.smp, or nats-server), and the whole
+# machine's busy time, as "idem postgres broker machine": sampled when a run's clock starts
+# and stops, the difference says where the CPU went (which of the three is the limit).
+cpu_ticks() { # cpu_ticks <idem pid>
+  local broker=beam.smp machine
+  [ "$source" = jetstream ] && broker=nats-server
+  machine="$(awk '$1 == "cpu" { print $2 + $3 + $4 + $7 + $8 }' /proc/stat)"
+  # A process may end between the listing and the read: cat skips it.
+  cat /proc/[0-9]*/stat 2>/dev/null | awk -v idem="$1" -v broker="$broker" -v machine="$machine" '
+    {
+      # comm is the second field, in parentheses; utime and stime are fields 14 and 15.
+      pid = $1; line = $0; sub(/^[0-9]+ \(/, "", line); comm = substr(line, 1, index(line, ")") - 1)
+      sub(/^[^)]*\) /, "", line); split(line, f, " ")
+      ticks = f[12] + f[13]
+      if (pid == idem) own += ticks
+      else if (comm == "postgres") pg += ticks
+      else if (comm == broker) br += ticks
+    }
+    END { printf "%d %d %d %d\n", own, pg, br, machine }'
+}
+# "cpu idem 0.9 / postgres 0.6 / broker 0.3 / machine 1.9 of 2 cores" from two cpu_ticks samples
+# taken <ns> nanoseconds apart.
+cpu_share() { # cpu_share "<before>" "<after>" <ns>
+  awk -v before="$1" -v after="$2" -v ns="$3" -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" 'BEGIN {
+    split(before, b, " "); split(after, a, " "); s = ns / 1e9
+    printf "cpu idem %.2f / postgres %.2f / broker %.2f / machine %.2f of %d cores",
+      (a[1] - b[1]) / hz / s, (a[2] - b[2]) / hz / s, (a[3] - b[3]) / hz / s, (a[4] - b[4]) / hz / s, cores }'
+}
 
 # --- preconditions --------------------------------------------------------------------------
 for tool in psql pgbench curl python3 awk; do
@@ -90,6 +122,10 @@ done
 for value in $WORKERS $BATCH_SIZES $CUSTOMERS $PREFETCH; do
   [[ "$value" =~ ^[1-9][0-9]*$ ]] || die "WORKERS, BATCH_SIZES, CUSTOMERS and PREFETCH take positive integers, not '$value'"
 done
+largest_batch="$(tr ' ' '\n' <<<"$BATCH_SIZES" | sort -n | tail -n 1)"
+if [ -n "$BATCH_LATENCY" ] && ! [[ "$BATCH_LATENCY" =~ ^[1-9][0-9]*(ms|s)$ ]]; then
+  die "BATCH_LATENCY is a duration such as 10ms, not '$BATCH_LATENCY'"
+fi
 case "$PUBLISHER" in idem-traffic | python) ;; *) die "PUBLISHER is idem-traffic or python, not '$PUBLISHER'" ;; esac
 [[ "$CLAIMS_PREFILL" =~ ^[0-9]+$ ]] || die "CLAIMS_PREFILL must be a number of claims, not '$CLAIMS_PREFILL'"
 for source in $SOURCE; do
@@ -203,8 +239,10 @@ record() { # record kind workers batch plugin status msgs_s p50 p99 outcomes rss
 }
 
 # --- one fresh data set ---------------------------------------------------------------------
-write_config() { # write_config <file> <workers> <batch size> [batch table: 1 (default) | 0] [plugin[@N]]
+write_config() { # write_config <file> <workers> <batch size | auto> [batch table: 1 (default) | 0] [plugin[@N]]
   local file="$1" workers="$2" batch="$3" table="${4:-1}" entry="${5:-loyalty}" prefetch="$PREFETCH"
+  local latency=""
+  if [ "$batch" = auto ]; then batch="$largest_batch"; latency="latency = \"$BATCH_LATENCY\""; fi
   local plugin="$root/plugins/dist/${entry%@*}.wasm" per_instance=1
   [[ "$entry" == *@* ]] && per_instance="${entry##*@}"
   if [ "$batch" -gt 1 ] && [ $((2 * batch * workers)) -gt "$prefetch" ]; then
@@ -260,6 +298,7 @@ EOF
 [pipelines.bench.batch]
 size = $batch
 linger = "$BATCH_LINGER"
+$latency
 EOF
   elif [ "$table" = 1 ]; then
     # Explicit: a build with batching may batch by default when the table is absent.
@@ -569,7 +608,7 @@ run_idem() { # run_idem <workers> <batch size> <plugin[@N]>
   if ! "$idem" check --config "$config" >"$log" 2>&1; then
     local reason
     reason="$(grep -v '^\s*$' "$log" | head -n 3 | tr '\n' ' ' | cut -c1-160)"
-    if [ "$batch" -gt 1 ]; then
+    if [ "$batch" != 1 ]; then
       say "$label: REFUSED: this idem does not accept [pipelines.bench.batch] ($reason); skipping this run"
       record idem "$workers" "$batch" "$entry" refused - - - - - - "config refused: $reason"
     else
@@ -580,7 +619,7 @@ run_idem() { # run_idem <workers> <batch size> <plugin[@N]>
     return
   fi
   say "$label: consuming"
-  local started ready_ns="" done_ns="" pid
+  local started ready_ns="" done_ns="" pid cpu_at_ready="" cpu_at_done=""
   started=$(now_ns)
   "$idem" run --config "$config" >>"$log" 2>&1 &
   pid=$!
@@ -589,7 +628,7 @@ run_idem() { # run_idem <workers> <batch size> <plugin[@N]>
   while :; do
     if ! kill -0 "$pid" 2>/dev/null; then break; fi
     if curl -fsS --max-time 1 "http://127.0.0.1:$HTTP_PORT/readyz" >/dev/null 2>&1; then
-      ready_ns=$(now_ns); break
+      ready_ns=$(now_ns); cpu_at_ready="$(cpu_ticks "$pid")"; break
     fi
     if [ $(($(now_ns) - started)) -gt 60000000000 ]; then break; fi
     sleep 0.02
@@ -601,7 +640,7 @@ run_idem() { # run_idem <workers> <batch size> <plugin[@N]>
     idem_pid=""
     local reason
     reason="$(grep -iE 'error|refus|unknown' "$log" | tail -n 2 | tr '\n' ' ' | cut -c1-160)"
-    if [ "$batch" -gt 1 ]; then
+    if [ "$batch" != 1 ]; then
       say "$label: REFUSED at start-up (exit $status): $reason; see $log"
       record idem "$workers" "$batch" "$entry" refused - - - - - - "refused at start-up: $reason"
     else
@@ -614,7 +653,9 @@ run_idem() { # run_idem <workers> <batch size> <plugin[@N]>
   local count=0
   while :; do
     count="$(settled)"
-    if [ "${count:-0}" -ge "$messages" ]; then done_ns=$(now_ns); break; fi
+    if [ "${count:-0}" -ge "$messages" ]; then
+      done_ns=$(now_ns); cpu_at_done="$(cpu_ticks "$pid")"; break
+    fi
     kill -0 "$pid" 2>/dev/null || break
     [ $(($(now_ns) - ready_ns)) -lt $((RUN_TIMEOUT * 1000000000)) ] || break
     sleep 0.2  # coarse on purpose: curl + awk every 50 ms cost ~17% of the 2 CPUs
@@ -638,7 +679,10 @@ run_idem() { # run_idem <workers> <batch size> <plugin[@N]>
     return
   fi
   rate="$(awk -v m="$messages" -v ns=$((done_ns - ready_ns)) 'BEGIN { printf "%.1f", m / (ns / 1e9) }')"
-  say "$label: $rate messages/s ($outcomes; start-up $(((ready_ns - started) / 1000000)) ms, not timed)"
+  local cpu
+  cpu="$(cpu_share "$cpu_at_ready" "$cpu_at_done" $((done_ns - ready_ns)))"
+  note="$note; $cpu"
+  say "$label: $rate messages/s ($outcomes; $cpu; start-up $(((ready_ns - started) / 1000000)) ms, not timed)"
   local check
   verify "$label" 1
   if [ "$exit_status" != 0 ]; then
@@ -670,6 +714,7 @@ for workers in $WORKERS; do
       for batch in $BATCH_SIZES; do
         run_idem "$workers" "$batch" "$entry"
       done
+      if [ -n "$BATCH_LATENCY" ]; then run_idem "$workers" auto "$entry"; fi
     done
   done
 done
@@ -688,7 +733,7 @@ load_after="$(cut -d' ' -f1-3 /proc/loadavg)"
   echo "idem throughput benchmark: $started_at"
   echo "machine: $(nproc) CPUs ($cpu_model), $memory; PostgreSQL $pg_version; $rabbit_version; idem $revision"
   echo "load average before: $load_before, after: $load_after"
-  echo "data: $messages messages per run = $ORDERS orders + $duplicates_count redeliveries ($DUPLICATES), $CUSTOMERS customers; publisher: $PUBLISHER; prefetch $PREFETCH; batch linger $BATCH_LINGER"
+  echo "data: $messages messages per run = $ORDERS orders + $duplicates_count redeliveries ($DUPLICATES), $CUSTOMERS customers; publisher: $PUBLISHER; prefetch $PREFETCH; batch linger $BATCH_LINGER; adaptive batch latency: ${BATCH_LATENCY:-none}"
   echo "claims already in processed_messages before each run: $CLAIMS_PREFILL (CLAIMS_PREFILL); plugins: $PLUGIN"
   echo "database round trip added (RTT): $RTT; delaying proxy: $proxy_note"
   echo
@@ -735,6 +780,15 @@ print("latency: idem, delivery to settlement (idem_message_seconds histogram, in
 print("its power-of-two buckets); reference, callback to ack; pgbench, one transaction.")
 print("peak RSS: idem VmHWM of the one process; reference summed over its worker processes.")
 print("raw: a consumer that only acks (one ack per delivery), the broker's own rate at this prefetch.")
+cpu = [(r, r["note"][r["note"].index("cpu idem"):]) for r in rows
+       if r["kind"] == "idem" and "cpu idem" in r["note"]]
+if cpu:
+    print()
+    print("where the CPU went while each idem run's clock ran (cores busy: idem's process, every")
+    print("postgres process, the broker's; machine: all of it, from /proc/stat):")
+    width = max(len(" ".join(name(r).split())) for r, _ in cpu)
+    for r, share in cpu:
+        print(f"  {' '.join(name(r).split()):<{width}}  {share[4:]}")
 if "jetstream" in sources:
     print("jetstream: idem acks each message with a double ack (confirmed by the server); raw sends")
     print("plain acks. reference is the guide's RabbitMQ consumer, beside both sources.")
@@ -757,7 +811,7 @@ for source, plugin in [(s, p) for s in sources for p in plugins]:
     for workers in sorted({r["workers"] for r in rows if r["kind"] == "idem"}, key=int):
         mine = [r for r in rows if r["kind"] == "idem" and r["workers"] == workers and r["plugin"] == plugin
                 and r["source"] == source]
-        candidates = [r for r in mine if r["status"] == "ok"]
+        candidates = [r for r in mine if r["status"] == "ok" and r["batch"] != "auto"]
         best = max(candidates, key=lambda r: float(r["msgs_s"]), default=None)
         pg, ref, raw = rate("pgbench", workers), rate("reference", workers), rate("raw", workers, source=source)
         one = rate("idem", workers, "1", plugin, source)
@@ -772,6 +826,19 @@ for source, plugin in [(s, p) for s in sources for p in plugins]:
                     label += f"; {status}: {' '.join(batches)}"
             b = float(best["msgs_s"])
             print(f"{label:<60}  {ratio(b, pg):>12}  {ratio(b, ref):>14}  {ratio(b, raw):>8}")
+    print()
+adaptive = [r for r in rows if r["kind"] == "idem" and r["batch"] == "auto" and r["status"] == "ok"]
+if adaptive:
+    print("adaptive batch size (batch.latency): throughput and p99 against the best fixed batch size")
+    for r in adaptive:
+        fixed = [f for f in rows if f["kind"] == "idem" and f["status"] == "ok" and f["batch"] != "auto"
+                 and (f["workers"], f["plugin"], f["source"]) == (r["workers"], r["plugin"], r["source"])]
+        best = max(fixed, key=lambda f: float(f["msgs_s"]), default=None)
+        line = f"  {' '.join(name(r).split())}: {r['msgs_s']} msgs/s, p99 {r['p99_ms']} ms"
+        if best:
+            line += (f"; best fixed (batch {best['batch']}): {best['msgs_s']} msgs/s, p99 {best['p99_ms']} ms;"
+                     f" adaptive/best {ratio(float(r['msgs_s']), float(best['msgs_s']))}")
+        print(line)
     print()
 others = [plugin for plugin in plugins if plugin != rust]
 if others and rust in plugins:

@@ -94,7 +94,8 @@ pub async fn handle_delivery(
             Decided::Apply { decision, plugin } => (decision, plugin),
         };
         traced.decided(&decision.key, &plugin.digest);
-        let plan = match plan(pipeline, &decision, &plugin, &traced) {
+        let redelivered = message.redelivered || attempt > 1;
+        let plan = match plan(pipeline, &decision, &plugin, &traced, redelivered) {
             Ok(plan) => plan,
             Err(disposition) => return disposition,
         };
@@ -172,7 +173,9 @@ pub async fn handle_batch(
             match decided {
                 Decided::Done(disposition) => dispositions[index] = Some(disposition.clone()),
                 Decided::Apply { decision, plugin } => {
-                    match plan(pipeline, decision, plugin, &traced[index]) {
+                    let (message, attempt) = messages[index];
+                    let redelivered = message.redelivered || attempt > 1;
+                    match plan(pipeline, decision, plugin, &traced[index], redelivered) {
                         Ok(plan) => planned.push((index, plan)),
                         Err(disposition) => dispositions[index] = Some(disposition),
                     }
@@ -321,12 +324,14 @@ async fn decide(pipeline: &Pipeline, message: &InboundMessage, attempt: u32) -> 
 }
 
 /// Checks a decision's effects against the pipeline; a misfit rejects the message.
-/// The outbox rows carry the message span's trace context.
+/// The outbox rows carry the message span's trace context. `redelivered`: the message was
+/// delivered before (see `Plan::redelivered`).
 fn plan<'a>(
     pipeline: &'a Pipeline,
     decision: &'a Decision,
     plugin: &'a LoadedPlugin,
     traced: &MessageSpan,
+    redelivered: bool,
 ) -> Result<Plan<'a>, Disposition> {
     let mut plan = Plan::build(
         &pipeline.config,
@@ -342,6 +347,7 @@ fn plan<'a>(
     if !plan.outbox.is_empty() {
         plan.carry(traced.handed_on());
     }
+    plan.redelivered = redelivered;
     Ok(plan)
 }
 

@@ -52,6 +52,14 @@ fn loyalty_message(body: Vec<u8>) -> InboundMessage {
     }
 }
 
+/// A message the broker delivered before.
+fn redelivered(body: Vec<u8>) -> InboundMessage {
+    InboundMessage {
+        redelivered: true,
+        ..loyalty_message(body)
+    }
+}
+
 fn natural_pipeline(env: &TestEnv) -> String {
     format!(
         "[pipelines.loyalty]\nqueue = \"{}\"\nplugin = \"{}\"\nclaim = \"natural\"\nclaim_statement = \"record_ledger\"\n{NATURAL_STATEMENTS}",
@@ -345,7 +353,22 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
             .await
             .expect("pipeline starts"),
     );
-    let results = deliver_concurrently(&pipeline, &loyalty_message(order(77, 7, 900)), 8).await;
+    // First deliveries take one flight, whose claim aborts on a taken key: the losers wait
+    // for the winner's claim and find it committed (23505), duplicates at once.
+    let results = deliver_concurrently(&pipeline, &loyalty_message(order(76, 7, 900)), 8).await;
+    assert_eq!(
+        count(&results, &Disposition::Ack(Settled::Applied)),
+        1,
+        "{results:?}"
+    );
+    assert_eq!(
+        count(&results, &Disposition::Ack(Settled::Duplicate)),
+        7,
+        "{results:?}"
+    );
+    // Redeliveries ask first (`ON CONFLICT DO NOTHING`), which under SERIALIZABLE fails with
+    // 40001 for the losers: retried, they find the claim.
+    let results = deliver_concurrently(&pipeline, &redelivered(order(77, 7, 900)), 8).await;
     assert_eq!(
         count(&results, &Disposition::Ack(Settled::Applied)),
         1,
@@ -366,7 +389,7 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
             .await
             .expect("pipeline starts"),
     );
-    let results = deliver_concurrently(&strict, &loyalty_message(order(78, 7, 900)), 8).await;
+    let results = deliver_concurrently(&strict, &redelivered(order(78, 7, 900)), 8).await;
     assert_eq!(
         count(&results, &Disposition::Ack(Settled::Applied)),
         1,

@@ -142,7 +142,7 @@ async fn a_session_abandoned_inside_a_transaction_is_never_reused() {
     );
     session
         .client()
-        .batch_execute("BEGIN; INSERT INTO abandoned VALUES (1)")
+        .batch_execute("BEGIN READ WRITE; INSERT INTO abandoned VALUES (1)")
         .await
         .expect("begin and insert");
     session.set_in_transaction(true);

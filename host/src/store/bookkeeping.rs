@@ -15,14 +15,35 @@
 
 use sqlx::postgres::{PgArguments, PgConnection, PgRow};
 use sqlx::query::{Query, QueryAs, QueryScalar};
-use sqlx::{AssertSqlSafe, FromRow, PgPool, Postgres, RawSql};
+use sqlx::{AssertSqlSafe, FromRow, PgPool, Postgres, RawSql, Transaction};
 
-/// Runs `work` in a transaction of its own on `pool`, and commits it.
+/// How every bookkeeping transaction opens. The `RESET` first, so the transaction's access
+/// mode is the server's configured default (read-only on a fenced primary or a standby),
+/// never a session's: idem's sessions default to read-only (`session::GUARD`), and behind a
+/// transaction pooler configured as `pooling = "session"` by mistake that setting can sit on
+/// the server connection this transaction is lent. The `RESET` clears it there too.
+const BEGIN: &str = "RESET default_transaction_read_only; BEGIN";
+
+/// Opens a bookkeeping transaction on `pool` (see `BEGIN`), followed by `settings` (`SET
+/// LOCAL`s, or nothing).
+pub async fn begin(
+    pool: &PgPool,
+    settings: &str,
+) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+    let opening = if settings.is_empty() {
+        BEGIN.to_string()
+    } else {
+        format!("{BEGIN}; {settings}")
+    };
+    pool.begin_with(AssertSqlSafe(opening)).await
+}
+
+/// Runs `work` in a transaction of its own on `pool` (see `begin`), and commits it.
 pub async fn in_transaction<T>(
     pool: &PgPool,
     work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
 ) -> Result<T, sqlx::Error> {
-    let mut transaction = pool.begin().await?;
+    let mut transaction = begin(pool, "").await?;
     let value = work(&mut transaction).await?;
     transaction.commit().await?;
     Ok(value)

@@ -465,6 +465,7 @@ pub async fn encryption(pool: &PgPool) -> Result<String, sqlx::Error> {
 /// connection opens, or, behind a transaction pooler, where a session's `SET` would land on
 /// some other client's server connection, as a `SET LOCAL` opening each message
 /// transaction (the server's keepalives would probe the pooler, which has its own).
+/// The sessions add their guard (`session::GUARD`) after these.
 fn setup(config: &DatabaseConfig) -> Setup {
     let idle = config.idle_in_transaction_timeout.as_millis();
     if config.pooling.per_transaction() {
@@ -594,7 +595,7 @@ pub async fn migrate_tables(
     pool: &PgPool,
     tables: &Tables,
 ) -> Result<(Migration, Vec<String>), MigrateError> {
-    let mut transaction = pool.begin().await?;
+    let mut transaction = bookkeeping::begin(pool, "").await?;
     bookkeeping::query("SELECT pg_advisory_xact_lock($1)")
         .bind(MIGRATION_LOCK)
         .execute(&mut *transaction)

@@ -14,6 +14,7 @@ use std::task::Poll;
 
 use futures::future::maybe_done;
 
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row};
 
@@ -130,6 +131,9 @@ pub struct Plan<'a> {
     /// The W3C trace context the outbox rows carry to their deliveries (`crate::traces`).
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
+    /// The message was delivered before (the broker says so, or this is another attempt):
+    /// likely a duplicate, so the claim asks before the effects leave (see `one_flight`).
+    pub redelivered: bool,
 }
 
 /// A decision that cannot become a transaction: the message is rejected, nothing runs.
@@ -204,6 +208,7 @@ impl<'a> Plan<'a> {
             consumer: &config.consumer,
             traceparent: None,
             tracestate: None,
+            redelivered: false,
         })
     }
 }
@@ -218,10 +223,11 @@ impl Plan<'_> {
     }
 }
 
-/// Runs `plan` in one transaction, in two flights (see `Flight`): `BEGIN` with the claim,
-/// then, only if the claim is new, the effects, the outbox rows and `COMMIT`. A natural or
-/// `none` claim waits for `BEGIN`'s reply before its first flight (see `open`). The
-/// whole transaction is bounded by `settings.timeout`.
+/// Runs `plan` in one transaction, bounded by `settings.timeout`. A ledger claim on a session
+/// that writes only inside transactions takes one flight (see `one_flight`); otherwise two
+/// (see `Flight`): `BEGIN` with the claim, then, only if the claim is new, the effects, the
+/// outbox rows and `COMMIT`. Behind a transaction pooler, a natural or `none` claim waits for
+/// `BEGIN`'s reply before its first flight (see `open`).
 pub async fn apply(
     sessions: &SessionPool,
     settings: &TransactionConfig,
@@ -233,17 +239,49 @@ pub async fn apply(
     release(session, result, settings.timeout)
 }
 
+/// Whether `plan`'s whole transaction leaves in one flight on `session`: `BEGIN`, a claim that
+/// aborts the transaction if the key is taken (`Claiming::Aborting`), the effects, the outbox
+/// rows and `COMMIT`, one round trip. Only where it is safe and pays:
+/// - the session writes nothing outside a transaction block (not behind a transaction
+///   pooler), so if `BEGIN` fails the statements behind it write nothing;
+/// - the claim is a single unpartitioned ledger row (a partitioned claim or a natural one
+///   learns of a duplicate from a row count, which nothing in the flight can read);
+/// - the message was not delivered before: a redelivery is likely a duplicate, and a
+///   duplicate here costs an error in the server's log for the claim and for each statement
+///   behind it, so it asks first.
+fn one_flight(session: &Session, plan: &Plan<'_>) -> bool {
+    session.writes_only_in_transactions()
+        && matches!(
+            plan.claim,
+            ClaimStrategy::Ledger {
+                partitioned: false,
+                ..
+            }
+        )
+        && !plan.redelivered
+}
+
 async fn apply_on(
     session: &mut Session,
     tables: &Tables,
     settings: &TransactionConfig,
     plan: &Plan<'_>,
 ) -> Result<ClaimOutcome, LedgerError> {
-    let work = Work::prepare(session, tables, plan, true).await?;
+    let one_flight = one_flight(session, plan);
+    let claiming = if one_flight {
+        Claiming::Aborting
+    } else {
+        Claiming::Asking
+    };
+    let work = Work::prepare(session, tables, plan, claiming).await?;
     let begin = begin_sql(settings, session.transaction_settings());
+    if one_flight {
+        return apply_in_one_flight(session, &work, &begin).await;
+    }
+    let pipelined = work.claims() || session.writes_only_in_transactions();
     session.set_in_transaction(true);
     let client = session.client();
-    let sent = match open(Flight::new(client), &begin, work.claims()).await {
+    let sent = match open(Flight::new(client), &begin, pipelined).await {
         Ok(mut first) => {
             work.decide(&mut first);
             first.send().await
@@ -270,6 +308,57 @@ async fn apply_on(
     committed(session, sent)
         .await
         .map(|()| ClaimOutcome::Applied)
+}
+
+/// The whole transaction in one flight (see `one_flight`). A taken key fails the claim with
+/// 23505: the transaction is aborted, every statement behind the claim fails with it, and
+/// `COMMIT` rolls it back; the message is a duplicate. Any other failure is the flight's
+/// error, as in two flights. A `COMMIT` that answered ended the transaction, committed or
+/// rolled back; one that did not (never sent, or no reply) leaves it to `ROLLBACK`.
+async fn apply_in_one_flight(
+    session: &mut Session,
+    work: &Work<'_>,
+    begin: &str,
+) -> Result<ClaimOutcome, LedgerError> {
+    Failpoint::BeforeCommit.hit();
+    session.set_in_transaction(true);
+    let mut flight = Flight::new(session.client());
+    flight.simple(begin, "begin");
+    let claim = flight.steps.len();
+    work.decide(&mut flight);
+    work.finish(&mut flight);
+    flight.commit();
+    let landed = flight.land().await;
+    let ended = matches!(
+        landed.last(),
+        Some(Landing {
+            reply: Some(Ok(_)),
+            ..
+        })
+    );
+    let outcome = match landed.iter().position(Landing::failed) {
+        None => {
+            let replies: Vec<Reply> = landed
+                .into_iter()
+                .take(claim + 1)
+                .filter_map(|landing| landing.reply.and_then(Result::ok))
+                .collect();
+            Ok(work.outcome(&replies))
+        }
+        Some(step) if step == claim && landed[step].is_taken_key() => Ok(ClaimOutcome::Duplicate),
+        Some(step) => Err(landed
+            .into_iter()
+            .nth(step)
+            .and_then(Landing::error)
+            .expect("the failed step holds its error")),
+    };
+    if ended {
+        session.set_in_transaction(false);
+    } else {
+        // Until it succeeds, the session counts as inside a transaction, and is closed.
+        let _ = session.rollback().await;
+    }
+    outcome
 }
 
 /// How one message of a batch ended inside the batch's transaction.
@@ -402,7 +491,7 @@ async fn apply_batch_optimistic(
         if items[index].is_none() {
             works.push((
                 index,
-                Work::prepare(session, tables, plans[index], false).await?,
+                Work::prepare(session, tables, plans[index], Claiming::InBulk).await?,
             ));
         }
     }
@@ -485,11 +574,15 @@ async fn apply_batch_isolating(
             items[index] = Some(Ok(ClaimOutcome::Duplicate));
             continue;
         }
-        works.push((index, Work::prepare(session, tables, plan, true).await?));
+        works.push((
+            index,
+            Work::prepare(session, tables, plan, Claiming::Asking).await?,
+        ));
     }
     let begin = begin_sql(settings, session.transaction_settings());
+    let guarded = session.writes_only_in_transactions();
     session.set_in_transaction(true);
-    match run_isolated(session.client(), &begin, &works, &mut items).await {
+    match run_isolated(session.client(), &begin, guarded, &works, &mut items).await {
         Ok(isolated) if isolated.applied > 0 => {
             let sent = commit_isolated(session.client(), isolated.undo_last).await;
             committed(session, sent).await?;
@@ -514,9 +607,11 @@ struct Isolated {
 }
 
 /// Runs every message under its savepoint; `Err` for a failure that fails the batch.
+/// `guarded`: the session writes only inside transactions (see `open`).
 async fn run_isolated(
     client: &Client,
     begin: &str,
+    guarded: bool,
     works: &[(usize, Work<'_>)],
     items: &mut [Option<BatchItem>],
 ) -> Result<Isolated, LedgerError> {
@@ -531,7 +626,7 @@ async fn run_isolated(
             first
         } else {
             opened = true;
-            open(Flight::new(client), &prefix, work.claims()).await?
+            open(Flight::new(client), &prefix, work.claims() || guarded).await?
         };
         work.decide(&mut first);
         let outcome = match first.send().await {
@@ -586,6 +681,10 @@ fn begin_sql(settings: &TransactionConfig, session_settings: &str) -> String {
 }
 
 /// `BEGIN` with the pipeline's isolation, and its server-side timeouts, in one round trip.
+/// The transaction is read-write whatever the session's default (idem's sessions default to
+/// read-only, see `session::GUARD`), unless the server's own default is read-only (a
+/// primary fenced with `default_transaction_read_only`): then it is read-only, and its writes
+/// fail (25006) as any other client's would.
 pub fn opening_sql(settings: &TransactionConfig) -> String {
     let isolation = match settings.isolation {
         Isolation::ReadCommitted => "READ COMMITTED",
@@ -593,22 +692,27 @@ pub fn opening_sql(settings: &TransactionConfig) -> String {
         Isolation::Serializable => "SERIALIZABLE",
     };
     format!(
-        "BEGIN ISOLATION LEVEL {isolation}; SET LOCAL statement_timeout = {}; SET LOCAL lock_timeout = {}",
+        "BEGIN ISOLATION LEVEL {isolation} READ WRITE; \
+         SET LOCAL default_transaction_read_only TO DEFAULT; \
+         SELECT set_config('transaction_read_only', current_setting('default_transaction_read_only'), true); \
+         SET LOCAL statement_timeout = {}; SET LOCAL lock_timeout = {}",
         settings.statement_timeout.as_millis(),
         settings.lock_timeout.as_millis()
     )
 }
 
-/// Opens the transaction with `begin`: at the head of `flight` when what follows it is a host
-/// claim, which writes nothing outside the transaction; otherwise (a natural or `none` claim
-/// decides with the plugin's own statements, which could commit alone if `BEGIN` failed)
-/// alone first, waiting for its reply. Returns the flight to add the deciding statements to.
+/// Opens the transaction with `begin`: at the head of `flight` when `pipelined`, that is when
+/// what follows it writes nothing outside the transaction (a host claim, or anything on a
+/// session that writes only inside transactions); otherwise (a natural or `none` claim
+/// decides with the plugin's own statements, which behind a transaction pooler could commit
+/// alone if `BEGIN` failed) alone first, waiting for its reply. Returns the flight to add the
+/// deciding statements to.
 async fn open<'f>(
     mut flight: Flight<'f>,
     begin: &'f str,
-    claims: bool,
+    pipelined: bool,
 ) -> Result<Flight<'f>, LedgerError> {
-    if claims {
+    if pipelined {
         flight.simple(begin, "begin");
     } else {
         flight
@@ -623,6 +727,18 @@ async fn open<'f>(
 /// Ends the open transaction without keeping anything.
 async fn rollback(session: &mut Session) -> Result<(), LedgerError> {
     session.rollback().await.map_err(host_error("rollback"))
+}
+
+/// How a message's ledger claim learns that the key is taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Claiming {
+    /// Taken already, with every claim of its batch in one statement.
+    InBulk,
+    /// A taken key changes no row (`ON CONFLICT DO NOTHING`); the effects wait for the count.
+    Asking,
+    /// A taken key raises 23505 and aborts the transaction, so the effects may follow the
+    /// claim in its flight (`one_flight`).
+    Aborting,
 }
 
 /// One message's statements prepared on the session, with their values.
@@ -643,20 +759,20 @@ struct Work<'p> {
 }
 
 impl<'p> Work<'p> {
-    /// Prepares what `plan` runs (each statement once per session); with `claim` false, the
-    /// ledger claim was taken in bulk already.
+    /// Prepares what `plan` runs (each statement once per session), its ledger claim as
+    /// `claiming` says.
     async fn prepare(
         session: &mut Session,
         tables: &'p Tables,
         plan: &'p Plan<'p>,
-        claim: bool,
+        claiming: Claiming,
     ) -> Result<Work<'p>, LedgerError> {
         let claim = match &plan.claim {
             ClaimStrategy::Ledger {
                 consumer,
                 plugin_digest,
                 partitioned,
-            } if claim => {
+            } if claiming != Claiming::InBulk => {
                 let lock = if *partitioned {
                     Some(
                         session
@@ -667,10 +783,10 @@ impl<'p> Work<'p> {
                 } else {
                     None
                 };
-                let sql = if *partitioned {
-                    &tables.partitioned_claim
-                } else {
-                    &tables.claim
+                let sql = match (partitioned, claiming) {
+                    (true, _) => &tables.partitioned_claim,
+                    (false, Claiming::Aborting) => &tables.aborting_claim,
+                    (false, _) => &tables.claim,
                 };
                 let statement = session
                     .statement(sql, &tables::CLAIM_TYPES)
@@ -972,11 +1088,28 @@ impl<'f> Flight<'f> {
         }
     }
 
-    /// Sends every statement, in order, then waits for every reply. A statement that fails
-    /// before it leaves (the driver refused a value, the connection is gone) stops the
-    /// flight there: nothing after it is sent, `COMMIT` least of all, since the server,
-    /// which never saw the failure, would commit the statements before it without it.
+    /// Sends every statement, in order, then waits for every reply; the flight's error is its
+    /// first (see `land`).
     async fn send(self) -> Result<Vec<Reply>, LedgerError> {
+        let mut replies = Vec::with_capacity(self.steps.len());
+        for landing in self.land().await {
+            match landing.reply {
+                Some(Ok(reply)) => replies.push(reply),
+                Some(Err(source)) => {
+                    return Err(classify(source.into(), landing.label, landing.origin));
+                }
+                None => {}
+            }
+        }
+        Ok(replies)
+    }
+
+    /// Sends every statement, in order, then waits for every reply, and tells what became of
+    /// each. A statement that fails before it leaves (the driver refused a value, the
+    /// connection is gone) stops the flight there: nothing after it is sent (its `reply` is
+    /// `None`), `COMMIT` least of all, since the server, which never saw the failure, would
+    /// commit the statements before it without it.
+    async fn land(self) -> Vec<Landing<'f>> {
         let (labels, mut replies): (Vec<_>, Vec<_>) = self
             .steps
             .into_iter()
@@ -994,23 +1127,49 @@ impl<'f> Flight<'f> {
             Poll::Ready(replies.len())
         })
         .await;
-        // The statements after a refused one were never polled, so never sent.
-        replies.truncate(sent);
-        let mut ok = Vec::with_capacity(replies.len());
-        let mut first_error = None;
-        for ((label, origin), mut reply) in labels.into_iter().zip(replies) {
-            (&mut reply).await;
-            match Pin::new(&mut reply).take_output() {
-                Some(Ok(reply)) => ok.push(reply),
-                Some(Err(source)) => {
-                    first_error.get_or_insert_with(|| classify(source.into(), label, origin));
-                }
-                None => unreachable!("a finished reply holds its output"),
-            }
+        let mut landed = Vec::with_capacity(replies.len());
+        for (index, ((label, origin), mut reply)) in labels.into_iter().zip(replies).enumerate() {
+            // The statements after a refused one were never polled, so never sent.
+            let reply = if index < sent {
+                (&mut reply).await;
+                let output = Pin::new(&mut reply).take_output();
+                Some(output.expect("a finished reply holds its output"))
+            } else {
+                None
+            };
+            landed.push(Landing {
+                label,
+                origin,
+                reply,
+            });
         }
-        match first_error {
-            Some(error) => Err(error),
-            None => Ok(ok),
+        landed
+    }
+}
+
+/// What became of one statement of a flight.
+struct Landing<'f> {
+    label: &'f str,
+    origin: Origin,
+    /// Its reply, or `None`: never sent.
+    reply: Option<Result<Reply, tokio_postgres::Error>>,
+}
+
+impl Landing<'_> {
+    fn failed(&self) -> bool {
+        matches!(self.reply, Some(Err(_)))
+    }
+
+    /// A unique violation: from a claim, the key was claimed already.
+    fn is_taken_key(&self) -> bool {
+        matches!(&self.reply, Some(Err(error)) if error.code() == Some(&SqlState::UNIQUE_VIOLATION))
+    }
+
+    /// Its failure, sorted by whose fault it is.
+    fn error(self) -> Option<LedgerError> {
+        match self.reply {
+            Some(Err(source)) => Some(classify(source.into(), self.label, self.origin)),
+            _ => None,
         }
     }
 }
@@ -1054,6 +1213,9 @@ fn classify(source: SessionError, statement: &str, origin: Origin) -> LedgerErro
         },
     }
 }
+
+#[cfg(test)]
+mod steps;
 
 #[cfg(test)]
 mod tests {

@@ -132,9 +132,8 @@ pub async fn take(
     tables: &Tables,
     batch: NonZeroU32,
 ) -> Result<(Transaction<'static, Postgres>, Vec<Taken>), sqlx::Error> {
-    let mut transaction = pool
-        .begin_with("BEGIN; SET LOCAL idle_in_transaction_session_timeout = 0")
-        .await?;
+    let mut transaction =
+        bookkeeping::begin(pool, "SET LOCAL idle_in_transaction_session_timeout = 0").await?;
     let rows = bookkeeping::query(&tables.sql(TAKE_SQL))
         .bind(i64::from(batch.get()))
         .fetch_all(&mut *transaction)

@@ -52,7 +52,7 @@ pub async fn convert(pool: &PgPool, tables: &Tables) -> Result<Conversion, sqlx:
     if is_partitioned(pool, tables).await? {
         return Ok(Conversion::AlreadyPartitioned);
     }
-    let mut transaction = pool.begin().await?;
+    let mut transaction = bookkeeping::begin(pool, "").await?;
     // A running host keeps the claim form it read at start; after the conversion its
     // `ON CONFLICT DO NOTHING` would never conflict. Refuse while any host is connected.
     let hosts: i64 = bookkeeping::query_scalar(
@@ -143,7 +143,7 @@ pub async fn maintain(
     tables: &Tables,
     window: std::time::Duration,
 ) -> Result<Maintenance, sqlx::Error> {
-    let mut transaction = pool.begin().await?;
+    let mut transaction = bookkeeping::begin(pool, "").await?;
     let recorded: Option<f64> = bookkeeping::query_scalar(
         &tables.sql("SELECT extract(epoch FROM max(retention_window))::float8 FROM {consumers}"),
     )

@@ -163,9 +163,8 @@ pub async fn clean_all(
 ) -> Result<Pass, sqlx::Error> {
     // The lock's transaction idles while the pass runs on other connections: the server's
     // idle limit does not apply to it (keepalives still end it if this host vanishes).
-    let mut lock = pool
-        .begin_with("BEGIN; SET LOCAL idle_in_transaction_session_timeout = 0")
-        .await?;
+    let mut lock =
+        bookkeeping::begin(pool, "SET LOCAL idle_in_transaction_session_timeout = 0").await?;
     let locked: bool = bookkeeping::query_scalar(&tables.sql(RETENTION_LOCK_SQL))
         .fetch_one(&mut *lock)
         .await?;

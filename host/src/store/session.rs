@@ -25,6 +25,15 @@ use tracing::debug;
 use crate::store::binding::BindError;
 use crate::store::tables::Tables;
 
+/// A session of its own defaults to read-only transactions: a statement that runs outside
+/// the transaction its flight opened (because `BEGIN` failed, was cancelled, or the server
+/// lost it) runs in a read-only transaction of its own and writes nothing. Each message
+/// transaction opens read-write unless the server itself defaults to read-only
+/// (`ledger::opening_sql`), so a whole transaction may leave in one flight
+/// (`writes_only_in_transactions`). Not behind a transaction pooler, where no session
+/// setting lasts; nor on the bookkeeping pool, whose statements are sqlx's own.
+pub(crate) const GUARD: &str = "SET default_transaction_read_only = on";
+
 /// How long taking a session may wait, for a free one or for a new connection.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -227,7 +236,9 @@ impl Shared {
             }
         };
         if let Setup::PerConnection(settings) = &self.setup {
-            client.batch_execute(settings).await?;
+            client
+                .batch_execute(&format!("{settings}; {GUARD}"))
+                .await?;
         }
         Ok(Connection {
             client,
@@ -287,6 +298,14 @@ impl Session {
 
     /// Whether this session may keep prepared statements (no transaction pooler in front).
     pub fn names_statements(&self) -> bool {
+        matches!(self.shared.setup, Setup::PerConnection(_))
+    }
+
+    /// Whether a statement this session runs outside a transaction block writes nothing (the
+    /// connection defaults to read-only transactions, see `GUARD`): then the
+    /// statements after `BEGIN` may leave before its reply, since if it failed they fail too.
+    /// Not behind a transaction pooler, where no session setting lasts.
+    pub fn writes_only_in_transactions(&self) -> bool {
         matches!(self.shared.setup, Setup::PerConnection(_))
     }
 

@@ -48,6 +48,16 @@ const CLAIM: &str = concat!(
     " ON CONFLICT DO NOTHING"
 );
 
+/// The claim a whole message transaction rides behind in one flight (`ledger`): a key claimed
+/// already raises 23505, which aborts the transaction, so the effects sent after it in the
+/// same flight fail (25P02) and its `COMMIT` rolls back. Only on sessions whose writes outside
+/// a transaction fail (`Session::writes_only_in_transactions`).
+const ABORTING_CLAIM: &str = concat!(
+    "INSERT INTO {claims} (consumer, message_key, plugin_digest) \
+     SELECT $1, $2, $3 WHERE ",
+    inside_open_transaction!()
+);
+
 /// Partition mode's claim (see `partition`), run after `PARTITIONED_LOCK`: insert only if no
 /// partition holds the key yet.
 const PARTITIONED_CLAIM: &str = concat!(
@@ -78,7 +88,7 @@ const OUTBOX_INSERT: &str = "INSERT INTO {outbox} \
      (consumer, message_key, destination, idempotency_key, payload, headers, traceparent, tracestate) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT ON CONSTRAINT idem_outbox_once DO NOTHING";
 
-/// The parameter types of the single claims (`claim`, `partitioned_claim`), for their unnamed
+/// The parameter types of the single claims (`claim`, `aborting_claim`, `partitioned_claim`), for their unnamed
 /// statements behind a transaction pooler.
 pub(crate) const CLAIM_TYPES: [Type; 3] = [Type::TEXT, Type::TEXT, Type::TEXT];
 /// `bulk_claim`'s parameter types.
@@ -107,6 +117,7 @@ pub struct Tables {
     archive: String,
     history: String,
     pub(crate) claim: String,
+    pub(crate) aborting_claim: String,
     pub(crate) partitioned_claim: String,
     pub(crate) bulk_claim: String,
     pub(crate) outbox_insert: String,
@@ -128,11 +139,13 @@ impl Tables {
             archive: qualified(ARCHIVE),
             history: qualified(HISTORY),
             claim: String::new(),
+            aborting_claim: String::new(),
             partitioned_claim: String::new(),
             bulk_claim: String::new(),
             outbox_insert: String::new(),
         };
         tables.claim = tables.sql(CLAIM);
+        tables.aborting_claim = tables.sql(ABORTING_CLAIM);
         tables.partitioned_claim = tables.sql(PARTITIONED_CLAIM);
         tables.bulk_claim = tables.sql(BULK_CLAIM);
         tables.outbox_insert = tables.sql(OUTBOX_INSERT);
@@ -229,6 +242,7 @@ mod tests {
         for tables in [Tables::new(None), Tables::new(Some("order"))] {
             for sql in [
                 &tables.claim,
+                &tables.aborting_claim,
                 &tables.partitioned_claim,
                 &tables.bulk_claim,
                 &tables.outbox_insert,
