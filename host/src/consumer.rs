@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::backoff::{Backoff, Schedule};
+use crate::batch_size::BatchSize;
 use crate::failpoint::Failpoint;
 use crate::message::InboundMessage;
 use crate::pipeline::Pipeline;
@@ -105,8 +106,9 @@ enum Ended {
     OperatorPause,
 }
 
-/// Feeds deliveries to at most `workers` concurrent tasks, up to `batch.size` deliveries per
-/// task (gathered for at most `batch.linger`). On shutdown or an operator's pause, stops
+/// Feeds deliveries to at most `workers` concurrent tasks, up to the batch size (`batch.size`,
+/// or adapting with `batch.latency`, see `batch_size`) per task, gathered for at most
+/// `batch.linger`. On shutdown or an operator's pause, stops
 /// consuming, lets every started message finish and settle, then closes the connection (what
 /// was prefetched and not started goes back to the queue).
 async fn serve<S: Source>(
@@ -115,7 +117,10 @@ async fn serve<S: Source>(
     shutdown: &CancellationToken,
 ) -> Result<Ended, SourceError> {
     let workers = Arc::new(Semaphore::new(pipeline.config.workers.get()));
-    let batch_size = pipeline.config.batch.size.get();
+    let batch_size = Arc::new(BatchSize::new(&pipeline.config.batch));
+    pipeline
+        .metrics
+        .batch_size(pipeline.name(), batch_size.current());
     let mut in_flight = JoinSet::new();
     let ended = loop {
         while in_flight.try_join_next().is_some() {}
@@ -138,6 +143,7 @@ async fn serve<S: Source>(
             Ok(delivery) => delivery,
             Err(error) => break Err(error),
         };
+        let arrived = Instant::now();
         let permit = tokio::select! {
             permit = workers.clone().acquire_owned() => permit,
             // The delivery is not started: closing the connection returns it to the queue.
@@ -146,30 +152,20 @@ async fn serve<S: Source>(
         let Ok(permit) = permit else {
             break Ok(Ended::Shutdown);
         };
-        let mut deliveries = vec![first];
-        let mut gathering_ended = None;
-        if batch_size > 1 {
-            let deadline = tokio::time::Instant::now() + pipeline.config.batch.linger;
-            while deliveries.len() < batch_size {
-                let next = tokio::select! {
-                    biased;
-                    () = shutdown.cancelled() => break,
-                    next = tokio::time::timeout_at(deadline, source.next()) => next,
-                };
-                match next {
-                    Err(_linger_elapsed) => break,
-                    Ok(Ok(delivery)) => deliveries.push(delivery),
-                    Ok(Err(error)) => {
-                        gathering_ended = Some(error);
-                        break;
-                    }
-                }
-            }
-        }
+        let limit = batch_size.current();
+        let linger = pipeline.config.batch.linger;
+        let (deliveries, gathering_ended) =
+            gather(&mut source, first, limit, linger, shutdown).await;
         let pipeline = Arc::clone(pipeline);
         let shutdown = shutdown.clone();
+        let batch_size = Arc::clone(&batch_size);
         in_flight.spawn(async move {
+            let messages = deliveries.len();
             settle_batch(&pipeline, deliveries, &shutdown).await;
+            batch_size.settled(messages, arrived.elapsed());
+            pipeline
+                .metrics
+                .batch_size(pipeline.name(), batch_size.current());
             drop(permit);
         });
         if let Some(error) = gathering_ended {
@@ -182,6 +178,33 @@ async fn serve<S: Source>(
     while in_flight.join_next().await.is_some() {}
     source.close().await;
     ended
+}
+
+/// `first` and what else `source` delivers, up to `limit` deliveries, waiting at most
+/// `linger` after the first (0: only what is delivered already). Stops early at shutdown;
+/// a source error ends the gathering, and is handed back beside what was gathered.
+async fn gather<S: Source>(
+    source: &mut S,
+    first: S::Delivery,
+    limit: usize,
+    linger: Duration,
+    shutdown: &CancellationToken,
+) -> (Vec<S::Delivery>, Option<SourceError>) {
+    let mut deliveries = vec![first];
+    let deadline = tokio::time::Instant::now() + linger;
+    while deliveries.len() < limit {
+        let next = tokio::select! {
+            biased;
+            () = shutdown.cancelled() => break,
+            next = tokio::time::timeout_at(deadline, source.next()) => next,
+        };
+        match next {
+            Err(_linger_elapsed) => break,
+            Ok(Ok(delivery)) => deliveries.push(delivery),
+            Ok(Err(error)) => return (deliveries, Some(error)),
+        }
+    }
+    (deliveries, None)
 }
 
 /// Decides the fate of a batch of deliveries (one transaction), then tells the broker:

@@ -32,6 +32,7 @@
 //! - [`backoff`], [`failpoint`], [`tls`]: retry timing, crash points for tests, TLS verdicts.
 
 pub mod backoff;
+pub mod batch_size;
 pub mod cases;
 pub mod config;
 pub mod consumer;

@@ -26,6 +26,7 @@ pub struct Metrics {
     outbox_deliveries: Family<DestinationLabels, Counter>,
     pipeline_paused: Family<PipelineLabels, Gauge>,
     operator_paused: Family<PipelineLabels, Gauge>,
+    batch_size: Family<PipelineLabels, Gauge>,
     sampled: Sampled,
 }
 
@@ -149,9 +150,16 @@ impl Metrics {
             Family::<DestinationLabels, Counter>::default(),
         );
         let (pipeline_paused, operator_paused) = register_pauses(&mut registry);
+        let batch_size = registered(
+            &mut registry,
+            "batch_size",
+            "The most messages the pipeline's next batch takes: batch.size, or the size adapting to batch.latency",
+            Family::default(),
+        );
         let sampled = Sampled::register(&mut registry);
         Metrics {
             registry,
+            batch_size,
             operator_paused,
             sampled,
             pipeline_paused,
@@ -184,6 +192,20 @@ impl Metrics {
         self.pipeline_paused
             .get_or_create(&pipeline_labels(pipeline))
             .set(i64::from(paused));
+    }
+
+    /// The most messages the pipeline's next batch takes (see `batch_size`).
+    pub fn batch_size(&self, pipeline: &str, messages: usize) {
+        self.batch_size
+            .get_or_create(&pipeline_labels(pipeline))
+            .set(i64::try_from(messages).unwrap_or(i64::MAX));
+    }
+
+    /// The batch size last reported for `pipeline` (0 before its consumer started).
+    pub fn batch_size_now(&self, pipeline: &str) -> i64 {
+        self.batch_size
+            .get_or_create(&pipeline_labels(pipeline))
+            .get()
     }
 
     /// An operator paused (`true`) or resumed (`false`) the pipeline.

@@ -247,6 +247,63 @@ async fn batched_pipeline_credits_every_order_once_through_the_broker() {
     env.cleanup().await;
 }
 
+/// `batch.latency`: under a backlog the batch size grows from 1 while batches settle well
+/// within the target, never past `batch.size`; when each message costs 4 ms of the
+/// database's time it stays where a batch still settles within the target. Every order is
+/// credited once either way.
+#[tokio::test]
+async fn an_adaptive_batch_size_follows_what_a_batch_costs_and_credits_once() {
+    let quick = adaptive_batches("batch_adaptive_quick", 1_500, "0").await;
+    assert!(quick > 8, "the batch size never grew past {quick}");
+    assert!(quick <= 48, "the batch size went past batch.size: {quick}");
+    let slow = adaptive_batches("batch_adaptive_slow", 300, "0.004").await;
+    assert!(
+        (2..=24).contains(&slow),
+        "4 ms a message against a 100 ms target: the size reached {slow}"
+    );
+}
+
+/// Runs `orders` orders already queued through a pipeline of batches up to 48 adapting to
+/// 100 ms, each ledger row taking `sleep` seconds; returns the largest batch size seen.
+async fn adaptive_batches(name: &str, orders: i64, sleep: &str) -> i64 {
+    let env = TestEnv::new(name).await;
+    for order_id in 1..=orders {
+        env.publish(&order(order_id, order_id % 50, 100 + order_id))
+            .await;
+    }
+    let metrics = Arc::new(Metrics::new());
+    let text = env
+        .config_text(
+            "loyalty",
+            "[pipelines.loyalty.batch]\nsize = 48\nlatency = \"100ms\"",
+        )
+        .replace("workers = 8", "workers = 2")
+        .replace(
+            "VALUES ($1, $2, $3)",
+            &format!("SELECT $1, $2, $3 FROM pg_sleep({sleep})"),
+        );
+    let config = idem_host::config::Config::from_toml(std::path::Path::new("/tmp/a.toml"), &text)
+        .expect("config");
+    let host = env.start_host_with_metrics(config, Arc::clone(&metrics));
+    let mut largest = 0;
+    let started = std::time::Instant::now();
+    while metrics.messages("loyalty", "applied") < orders as u64 {
+        largest = largest.max(metrics.batch_size_now("loyalty"));
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{} of {orders} applied in 120 s",
+            metrics.messages("loyalty", "applied")
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, orders);
+    assert_eq!(env.ready(&env.queue).await, 0);
+    env.assert_loyalty_consistent().await;
+    env.cleanup().await;
+    largest
+}
+
 /// A plugin returns a key with a NUL character (PostgreSQL refuses `\0` in text) for one
 /// message among 600 good ones in one batch: exactly that message is dead-lettered as
 /// `invalid-output`, before any SQL, and the rest apply; nothing loops.

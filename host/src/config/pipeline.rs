@@ -16,8 +16,8 @@ use super::outbox::OutboxConfig;
 use super::source::rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqKeys};
 use super::source::{self, RawSource, SourceConfig};
 use super::text::{
-    Document, Table, duration, duration_schema, interpolated_option, interpolated_path,
-    interpolated_spanned_option,
+    Document, Table, duration, duration_option, duration_schema, interpolated_option,
+    interpolated_path, interpolated_spanned_option,
 };
 
 /// One `[pipelines.<name>]` table: a source, a plugin and the statements it may use.
@@ -98,6 +98,12 @@ pub struct BatchConfig {
     #[serde(default, deserialize_with = "duration")]
     #[schemars(schema_with = "duration_schema")]
     pub linger: Duration,
+    /// How long a batch may take, from its first delivery to its acks: the batch size
+    /// adapts to the load (from 1 up to `size`) so batches settle within it (see
+    /// `batch_size`). Unset (the default): every batch takes up to `size`.
+    #[serde(default, deserialize_with = "duration_option")]
+    #[schemars(schema_with = "duration_schema")]
+    pub latency: Option<Duration>,
 }
 
 impl Default for BatchConfig {
@@ -105,6 +111,7 @@ impl Default for BatchConfig {
         BatchConfig {
             size: default_batch_messages(),
             linger: Duration::ZERO,
+            latency: None,
         }
     }
 }

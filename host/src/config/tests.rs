@@ -210,6 +210,19 @@ fn defaults_and_resolution() {
     assert_eq!(pipeline.claim, ClaimMode::Ledger);
     assert_eq!(pipeline.limits, PluginLimits::default());
     assert_eq!(pipeline.statements.len(), 1);
+    assert_eq!(
+        pipeline.batch.latency, None,
+        "batches take up to size by default"
+    );
+    let adaptive = format!("{VALID}\n[pipelines.loyalty.batch]\nsize = 256\nlatency = \"10ms\"\n");
+    let config = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), &adaptive)
+        .expect("an adaptive batch size");
+    let batch = config.pipeline("loyalty").expect("pipeline loyalty").batch;
+    assert_eq!(batch.latency, Some(Duration::from_millis(10)));
+    check_error(
+        &format!("{VALID}\n[pipelines.loyalty.batch]\nlatency = \"soon\"\n"),
+        &["line 16", "latency", "not a duration"],
+    );
 }
 
 #[test]
