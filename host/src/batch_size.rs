@@ -1,11 +1,14 @@
 //! How many messages a worker gathers into one transaction: `batch.size`, or, with
 //! `batch.latency` set, a size that follows the load so a batch settles within that long.
 //!
-//! After each batch, its duration (from its first delivery to its last settlement: lingering,
-//! the plugin calls, waiting for the database and the acks included) adjusts the size the
-//! next batches gather up to. A batch over the target shrinks it in proportion, aiming at
-//! `HEADROOM` of the target so the spread of durations stays under it; a full batch that took
-//! less than half the target grows it by a quarter (at least one). A batch that was not full
+//! After each batch, its duration (from the moment a worker took its first delivery to its
+//! last settlement: lingering, the plugin calls, waiting for the database and the acks
+//! included; not the wait for a free worker, which is waiting in the queue and which a
+//! smaller batch would not shorten) adjusts the size the next batches gather up to. A batch
+//! over the target shrinks it in proportion, aiming at `HEADROOM` of the target so the spread
+//! of durations stays under it, by half at most (one slow batch, a retry say, does not undo
+//! the size); a full batch that took less than half the target grows it by a quarter (at
+//! least one). A batch that was not full
 //! (the source had no more) says nothing about a bigger one and leaves it. The size starts
 //! at 1, stays between 1 and `batch.size`, and is shared by the pipeline's workers.
 
@@ -49,7 +52,7 @@ impl BatchSize {
         let current = self.current();
         let next = if took > target {
             let fits = messages as f64 * HEADROOM * target.as_secs_f64() / took.as_secs_f64();
-            (fits as usize).min(current)
+            (fits as usize).max(current / 2).min(current)
         } else if messages >= current && took < target / 2 {
             current + (current / 4).max(1)
         } else {
@@ -116,15 +119,19 @@ mod tests {
             size.settled(size.current(), MS);
         }
         assert_eq!(size.current(), 256);
-        size.settled(256, 40 * MS);
-        assert_eq!(size.current(), 38, "256 × 0.6 × 10 / 40");
+        size.settled(256, 21 * MS / 2);
+        assert_eq!(size.current(), 146, "256 × 0.6 × 10 / 10.5");
+        size.settled(146, 80 * MS);
+        assert_eq!(size.current(), 73, "by half at most");
         size.settled(3, MS);
         assert_eq!(
             size.current(),
-            38,
+            73,
             "a partial batch says nothing about a bigger one"
         );
-        size.settled(1, 100 * MS);
+        for _ in 0..10 {
+            size.settled(1, 100 * MS);
+        }
         assert_eq!(size.current(), 1, "never below one");
     }
 }

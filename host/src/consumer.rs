@@ -143,7 +143,6 @@ async fn serve<S: Source>(
             Ok(delivery) => delivery,
             Err(error) => break Err(error),
         };
-        let arrived = Instant::now();
         let permit = tokio::select! {
             permit = workers.clone().acquire_owned() => permit,
             // The delivery is not started: closing the connection returns it to the queue.
@@ -152,6 +151,9 @@ async fn serve<S: Source>(
         let Ok(permit) = permit else {
             break Ok(Ended::Shutdown);
         };
+        // A batch's time runs from here: waiting for a free worker is waiting in the queue,
+        // which a smaller batch would not shorten.
+        let started = Instant::now();
         let limit = batch_size.current();
         let linger = pipeline.config.batch.linger;
         let (deliveries, gathering_ended) =
@@ -162,7 +164,7 @@ async fn serve<S: Source>(
         in_flight.spawn(async move {
             let messages = deliveries.len();
             settle_batch(&pipeline, deliveries, &shutdown).await;
-            batch_size.settled(messages, arrived.elapsed());
+            batch_size.settled(messages, started.elapsed());
             pipeline
                 .metrics
                 .batch_size(pipeline.name(), batch_size.current());
