@@ -94,8 +94,7 @@ pub async fn handle_delivery(
             Decided::Apply { decision, plugin } => (decision, plugin),
         };
         traced.decided(&decision.key, &plugin.digest);
-        let redelivered = message.redelivered || attempt > 1;
-        let plan = match plan(pipeline, &decision, &plugin, &traced, redelivered) {
+        let plan = match plan(pipeline, &decision, &plugin, &traced, (message, attempt)) {
             Ok(plan) => plan,
             Err(disposition) => return disposition,
         };
@@ -173,9 +172,7 @@ pub async fn handle_batch(
             match decided {
                 Decided::Done(disposition) => dispositions[index] = Some(disposition.clone()),
                 Decided::Apply { decision, plugin } => {
-                    let (message, attempt) = messages[index];
-                    let redelivered = message.redelivered || attempt > 1;
-                    match plan(pipeline, decision, plugin, &traced[index], redelivered) {
+                    match plan(pipeline, decision, plugin, &traced[index], messages[index]) {
                         Ok(plan) => planned.push((index, plan)),
                         Err(disposition) => dispositions[index] = Some(disposition),
                     }
@@ -324,14 +321,14 @@ async fn decide(pipeline: &Pipeline, message: &InboundMessage, attempt: u32) -> 
 }
 
 /// Checks a decision's effects against the pipeline; a misfit rejects the message.
-/// The outbox rows carry the message span's trace context. `redelivered`: the message was
-/// delivered before (see `Plan::redelivered`).
+/// The outbox rows carry the message span's trace context. A message the broker delivered
+/// before, or on another attempt, is `Plan::redelivered`.
 fn plan<'a>(
     pipeline: &'a Pipeline,
     decision: &'a Decision,
     plugin: &'a LoadedPlugin,
     traced: &MessageSpan,
-    redelivered: bool,
+    (message, attempt): (&InboundMessage, u32),
 ) -> Result<Plan<'a>, Disposition> {
     let mut plan = Plan::build(
         &pipeline.config,
@@ -347,7 +344,7 @@ fn plan<'a>(
     if !plan.outbox.is_empty() {
         plan.carry(traced.handed_on());
     }
-    plan.redelivered = redelivered;
+    plan.redelivered = message.redelivered || attempt > 1;
     Ok(plan)
 }
 

@@ -278,7 +278,7 @@ async fn apply_on(
     if one_flight {
         return apply_in_one_flight(session, &work, &begin).await;
     }
-    let pipelined = work.claims() || session.writes_only_in_transactions();
+    let pipelined = work.may_follow_begin(session.writes_only_in_transactions());
     session.set_in_transaction(true);
     let client = session.client();
     let sent = match open(Flight::new(client), &begin, pipelined).await {
@@ -341,7 +341,7 @@ async fn apply_in_one_flight(
             let replies: Vec<Reply> = landed
                 .into_iter()
                 .take(claim + 1)
-                .filter_map(|landing| landing.reply.and_then(Result::ok))
+                .filter_map(|landing| landing.into_result().and_then(Result::ok))
                 .collect();
             Ok(work.outcome(&replies))
         }
@@ -349,7 +349,7 @@ async fn apply_in_one_flight(
         Some(step) => Err(landed
             .into_iter()
             .nth(step)
-            .and_then(Landing::error)
+            .and_then(|landing| landing.into_result()?.err())
             .expect("the failed step holds its error")),
     };
     if ended {
@@ -626,7 +626,7 @@ async fn run_isolated(
             first
         } else {
             opened = true;
-            open(Flight::new(client), &prefix, work.claims() || guarded).await?
+            open(Flight::new(client), &prefix, work.may_follow_begin(guarded)).await?
         };
         work.decide(&mut first);
         let outcome = match first.send().await {
@@ -856,10 +856,11 @@ impl<'p> Work<'p> {
         Ok((Prepared::Named(statement), Some(values)))
     }
 
-    /// Whether `decide` runs a host claim (guarded by `inside_open_transaction!`) rather than
-    /// the plugin's statements.
-    fn claims(&self) -> bool {
-        self.claim.is_some()
+    /// Whether `decide`'s statements may leave in `BEGIN`'s flight (see `open`): a host claim,
+    /// which writes nothing outside the transaction `BEGIN` marks (`inside_open_transaction!`),
+    /// or anything on a `guarded` session (`Session::writes_only_in_transactions`).
+    fn may_follow_begin(&self, guarded: bool) -> bool {
+        self.claim.is_some() || guarded
     }
 
     /// The statements that tell whether the message applies: the ledger claim (after its
@@ -1093,12 +1094,8 @@ impl<'f> Flight<'f> {
     async fn send(self) -> Result<Vec<Reply>, LedgerError> {
         let mut replies = Vec::with_capacity(self.steps.len());
         for landing in self.land().await {
-            match landing.reply {
-                Some(Ok(reply)) => replies.push(reply),
-                Some(Err(source)) => {
-                    return Err(classify(source.into(), landing.label, landing.origin));
-                }
-                None => {}
+            if let Some(reply) = landing.into_result() {
+                replies.push(reply?);
             }
         }
         Ok(replies)
@@ -1165,12 +1162,11 @@ impl Landing<'_> {
         matches!(&self.reply, Some(Err(error)) if error.code() == Some(&SqlState::UNIQUE_VIOLATION))
     }
 
-    /// Its failure, sorted by whose fault it is.
-    fn error(self) -> Option<LedgerError> {
-        match self.reply {
-            Some(Err(source)) => Some(classify(source.into(), self.label, self.origin)),
-            _ => None,
-        }
+    /// Its reply, or its failure sorted by whose fault it is; `None`: never sent.
+    fn into_result(self) -> Option<Result<Reply, LedgerError>> {
+        let (label, origin) = (self.label, self.origin);
+        self.reply
+            .map(|reply| reply.map_err(|source| classify(source.into(), label, origin)))
     }
 }
 
@@ -1222,7 +1218,7 @@ mod tests {
     use super::*;
 
     /// The server the test suite runs against (`scripts/services.sh` starts it).
-    fn admin_url() -> String {
+    pub(super) fn admin_url() -> String {
         std::env::var("IDEM_TEST_PG_ADMIN_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
     }

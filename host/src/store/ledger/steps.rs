@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use tokio_postgres::NoTls;
 
+use super::tests::admin_url;
 use super::*;
 use crate::config::Config;
 use crate::effect::{Decision, Effect, Value};
@@ -32,11 +33,6 @@ struct Scratch {
     client: Client,
     config: Config,
     database: Database,
-}
-
-fn admin_url() -> String {
-    std::env::var("IDEM_TEST_PG_ADMIN_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
 async fn connect(url: &str) -> Client {
