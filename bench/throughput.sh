@@ -777,7 +777,7 @@ for line in lines:
     print(fmt(line))
 print()
 print("latency: idem, delivery to settlement (idem_message_seconds histogram, interpolated inside")
-print("its power-of-two buckets); reference, callback to ack; pgbench, one transaction.")
+print("its buckets, four an octave); reference, callback to ack; pgbench, one transaction.")
 print("peak RSS: idem VmHWM of the one process; reference summed over its worker processes.")
 print("raw: a consumer that only acks (one ack per delivery), the broker's own rate at this prefetch.")
 cpu = [(r, r["note"][r["note"].index("cpu idem"):]) for r in rows

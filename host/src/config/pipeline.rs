@@ -98,9 +98,10 @@ pub struct BatchConfig {
     #[serde(default, deserialize_with = "duration")]
     #[schemars(schema_with = "duration_schema")]
     pub linger: Duration,
-    /// How long a batch may take, from its first delivery to its acks: the batch size
-    /// adapts to the load (from 1 up to `size`) so batches settle within it (see
-    /// `batch_size`). Unset (the default): every batch takes up to `size`.
+    /// How long nearly every message (the 99th percentile) may take from the moment a
+    /// worker takes it to its ack: the batch size adapts to the load (from 1 up to `size`)
+    /// so batches settle well within it (see `batch_size`). Unset (the default): every
+    /// batch takes up to `size`.
     #[serde(default, deserialize_with = "duration_option")]
     #[schemars(schema_with = "duration_schema")]
     pub latency: Option<Duration>,

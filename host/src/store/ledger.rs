@@ -673,18 +673,26 @@ async fn commit_isolated(client: &Client, undo_last: bool) -> Result<Vec<Reply>,
     last.send().await
 }
 
-/// The statements that open a transaction: isolation and server-side timeouts, the
-/// session's own settings behind a transaction pooler (`Session::transaction_settings`),
-/// then the mark the claims look for (`inside_open_transaction!`).
+/// The statements that open a transaction: isolation, server-side timeouts and the mark the
+/// claims look for (`inside_open_transaction!`), then the session's own settings behind a
+/// transaction pooler (`Session::transaction_settings`).
 fn begin_sql(settings: &TransactionConfig, session_settings: &str) -> String {
-    format!("{}; {session_settings}{MARK_OPEN}", opening_sql(settings))
+    let mut sql = format!("{}, {MARK_OPEN}", opening_sql(settings));
+    let session_settings = session_settings.trim_end_matches("; ");
+    if !session_settings.is_empty() {
+        sql.push_str("; ");
+        sql.push_str(session_settings);
+    }
+    sql
 }
 
-/// `BEGIN` with the pipeline's isolation, and its server-side timeouts, in one round trip.
-/// The transaction is read-write whatever the session's default (idem's sessions default to
-/// read-only, see `session::GUARD`), unless the server's own default is read-only (a
-/// primary fenced with `default_transaction_read_only`): then it is read-only, and its writes
-/// fail (25006) as any other client's would.
+/// `BEGIN` with the pipeline's isolation, and its server-side timeouts, in one round trip:
+/// three statements (every one the server parses and runs costs time on each message), the
+/// last a `SELECT` of `set_config`s a caller may add to. The transaction is read-write
+/// whatever the session's default (idem's sessions default to read-only, see
+/// `session::GUARD`), unless the server's own default is read-only (a primary fenced with
+/// `default_transaction_read_only`): then it is read-only, and its writes fail (25006) as
+/// any other client's would.
 pub fn opening_sql(settings: &TransactionConfig) -> String {
     let isolation = match settings.isolation {
         Isolation::ReadCommitted => "READ COMMITTED",
@@ -694,8 +702,8 @@ pub fn opening_sql(settings: &TransactionConfig) -> String {
     format!(
         "BEGIN ISOLATION LEVEL {isolation} READ WRITE; \
          SET LOCAL default_transaction_read_only TO DEFAULT; \
-         SELECT set_config('transaction_read_only', current_setting('default_transaction_read_only'), true); \
-         SET LOCAL statement_timeout = {}; SET LOCAL lock_timeout = {}",
+         SELECT set_config('transaction_read_only', current_setting('default_transaction_read_only'), true), \
+         set_config('statement_timeout', '{}', true), set_config('lock_timeout', '{}', true)",
         settings.statement_timeout.as_millis(),
         settings.lock_timeout.as_millis()
     )

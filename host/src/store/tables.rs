@@ -24,9 +24,9 @@ const ARCHIVE: &str = "idem_dead_letters";
 /// application's.
 const HISTORY: &str = "idem_migrations";
 
-/// The mark a message transaction opens with (`ledger`): the host's claims write only under
-/// it (`inside_open_transaction!`).
-pub(crate) const MARK_OPEN: &str = "SET LOCAL idem.transaction = 'open'";
+/// The mark a message transaction opens with (`ledger`, an expression of its opening
+/// `SELECT`): the host's claims write only under it (`inside_open_transaction!`).
+pub(crate) const MARK_OPEN: &str = "set_config('idem.transaction', 'open', true)";
 
 /// The condition every host claim is written under: the transaction `ledger` opened and
 /// marked (`MARK_OPEN`) is open. A flight's statements are each synced on their own, so if
