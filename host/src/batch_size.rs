@@ -57,14 +57,13 @@ impl BatchSize {
         self.current.load(Ordering::Relaxed)
     }
 
-    /// A batch of `messages` settled `took` after its first delivery arrived.
-    pub fn settled(&self, messages: usize, took: Duration) {
-        let Some(target) = self.target else {
-            return;
-        };
+    /// A batch of `messages` settled `took` after its first delivery arrived. Returns the
+    /// new size when it changed (never without `batch.latency`).
+    pub fn settled(&self, messages: usize, took: Duration) -> Option<usize> {
+        let target = self.target?;
         let current = self.current();
         if messages == 0 || (messages < current && took <= target) {
-            return;
+            return None;
         }
         let sample = took.as_secs_f64() / messages as f64;
         let per_message = {
@@ -85,8 +84,9 @@ impl BatchSize {
         } else {
             fits.clamp(current / 2, current)
         };
-        self.current
-            .store(next.clamp(1, self.max), Ordering::Relaxed);
+        let next = next.clamp(1, self.max);
+        self.current.store(next, Ordering::Relaxed);
+        (next != current).then_some(next)
     }
 }
 
@@ -110,7 +110,7 @@ mod tests {
     fn without_a_target_the_size_is_the_configured_one() {
         let size = sizer(64, None);
         assert_eq!(size.current(), 64);
-        size.settled(64, 500 * MS);
+        assert_eq!(size.settled(64, 500 * MS), None, "nothing changed");
         assert_eq!(size.current(), 64);
     }
 
@@ -213,9 +213,9 @@ mod tests {
             size.settled(size.current(), MS);
         }
         assert_eq!(size.current(), 256);
-        size.settled(256, 80 * MS);
+        assert_eq!(size.settled(256, 80 * MS), Some(128), "the new size");
         assert_eq!(size.current(), 128, "by half at most");
-        size.settled(3, MS);
+        assert_eq!(size.settled(3, MS), None, "nothing changed");
         assert_eq!(
             size.current(),
             128,

@@ -107,11 +107,11 @@ enum Ended {
 }
 
 /// Feeds deliveries to at most `workers` concurrent tasks (with `batch.latency`, at most
-/// [`BATCHES_AT_ONCE_FOR_LATENCY`] of them gathering several messages), up to the batch size (`batch.size`,
-/// or adapting with `batch.latency`, see `batch_size`) per task, gathered for at most
-/// `batch.linger`. On shutdown or an operator's pause, stops
-/// consuming, lets every started message finish and settle, then closes the connection (what
-/// was prefetched and not started goes back to the queue).
+/// [`BATCHES_AT_ONCE_FOR_LATENCY`] of them gathering several messages), up to the batch size
+/// (`batch.size`, or adapting with `batch.latency`, see `batch_size`) per task, gathered for
+/// at most `batch.linger`. On shutdown or an operator's pause, stops consuming, lets every
+/// started message finish and settle, then closes the connection (what was prefetched and
+/// not started goes back to the queue).
 async fn serve<S: Source>(
     pipeline: &Arc<Pipeline>,
     mut source: S,
@@ -162,10 +162,9 @@ async fn serve<S: Source>(
         in_flight.spawn(async move {
             let messages = deliveries.len();
             settle_batch(&pipeline, deliveries, &shutdown).await;
-            batch_size.settled(messages, started.elapsed());
-            pipeline
-                .metrics
-                .batch_size(pipeline.name(), batch_size.current());
+            if let Some(size) = batch_size.settled(messages, started.elapsed()) {
+                pipeline.metrics.batch_size(pipeline.name(), size);
+            }
             drop(worker);
         });
         if let Some(error) = gathering_ended {

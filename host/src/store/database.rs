@@ -470,7 +470,7 @@ fn setup(config: &DatabaseConfig) -> Setup {
     let idle = config.idle_in_transaction_timeout.as_millis();
     if config.pooling.per_transaction() {
         return Setup::PerTransaction(format!(
-            "SET LOCAL idle_in_transaction_session_timeout = {idle}; "
+            "SET LOCAL idle_in_transaction_session_timeout = {idle}"
         ));
     }
     let keepalive = config.keepalive.as_secs().max(1);

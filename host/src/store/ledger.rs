@@ -678,7 +678,6 @@ async fn commit_isolated(client: &Client, undo_last: bool) -> Result<Vec<Reply>,
 /// transaction pooler (`Session::transaction_settings`).
 fn begin_sql(settings: &TransactionConfig, session_settings: &str) -> String {
     let mut sql = format!("{}, {MARK_OPEN}", opening_sql(settings));
-    let session_settings = session_settings.trim_end_matches("; ");
     if !session_settings.is_empty() {
         sql.push_str("; ");
         sql.push_str(session_settings);

@@ -309,8 +309,8 @@ impl Session {
         matches!(self.shared.setup, Setup::PerConnection(_))
     }
 
-    /// The `SET LOCAL`s every transaction opens with (behind a transaction pooler), or
-    /// nothing.
+    /// The `SET LOCAL`s every transaction opens with (behind a transaction pooler, separated
+    /// by `; `, none trailing), or nothing.
     pub fn transaction_settings(&self) -> &str {
         match &self.shared.setup {
             Setup::PerConnection(_) => "",
