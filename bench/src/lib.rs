@@ -94,7 +94,7 @@ pub async fn loyalty_database(
     let pool = sqlx::PgPool::connect(database_url)
         .await
         .expect("bench database");
-    idem_host::store::database::migrate_tables(&pool, &Default::default())
+    idem_host::store::database::migrate_tables(&pool, &Default::default(), Default::default())
         .await
         .expect("migrations");
     sqlx::raw_sql(SCHEMA).execute(&pool).await.expect("schema");

@@ -77,6 +77,15 @@ pub async fn consume<S: Source>(
                         info!(pipeline = %name, "Stopped consuming: paused by an operator.");
                         continue;
                     }
+                    Ok(Ended::FaultPause) => {
+                        tokio::select! {
+                            () = shutdown.cancelled() => return Ok(()),
+                            () = pipeline.unpaused() => {}
+                            () = pipeline.operator_paused() => {}
+                            () = tokio::time::sleep(RETRY_AFTER_RELEASE) => {}
+                        }
+                        continue;
+                    }
                     Err(error) => error,
                 }
             }
@@ -104,7 +113,20 @@ enum Ended {
     Shutdown,
     /// An operator paused the pipeline.
     OperatorPause,
+    /// A configuration fault paused it for longer than [`RELEASE_AFTER`].
+    FaultPause,
 }
+
+/// How long a pipeline paused by a configuration fault keeps what it prefetched before it
+/// stops consuming and gives it back to the queue: long enough for a fault that clears at
+/// once (a table swapped by a migration) not to churn the queue, short enough that healthy
+/// hosts do not idle while this one holds messages it cannot apply.
+const RELEASE_AFTER: Duration = Duration::from_secs(5);
+
+/// How long a pipeline that gave its messages back waits, while still paused, before it
+/// consumes again to try anew: the transaction that kept trying may have given up (a stop,
+/// a conflict past its budget), and only a message can tell whether the fault is gone.
+const RETRY_AFTER_RELEASE: Duration = Duration::from_secs(30);
 
 /// Feeds deliveries to at most `workers` concurrent tasks (with `batch.latency`, at most
 /// [`BATCHES_AT_ONCE_FOR_LATENCY`] of them gathering several messages), up to the batch size
@@ -123,17 +145,13 @@ async fn serve<S: Source>(
         .metrics
         .batch_size(pipeline.name(), batch_size.current());
     let mut in_flight = JoinSet::new();
+    let mut probe_taken = false;
     let ended = loop {
         while in_flight.try_join_next().is_some() {}
-        if pipeline.paused().is_some() {
-            // A configuration fault: take nothing more until the paused transaction works.
-            tokio::select! {
-                biased;
-                () = shutdown.cancelled() => break Ok(Ended::Shutdown),
-                () = pipeline.operator_paused() => break Ok(Ended::OperatorPause),
-                () = pipeline.unpaused() => {}
-            }
-        }
+        let alone = match before_next(pipeline, shutdown, &mut probe_taken).await {
+            Ok(alone) => alone,
+            Err(ended) => break Ok(ended),
+        };
         let next = tokio::select! {
             biased;
             () = shutdown.cancelled() => break Ok(Ended::Shutdown),
@@ -144,15 +162,16 @@ async fn serve<S: Source>(
             Ok(delivery) => delivery,
             Err(error) => break Err(error),
         };
-        // The delivery is not started at shutdown: closing the connection returns it to the
-        // queue.
+        // The delivery is not started at shutdown: it goes back at once (a JetStream message
+        // on its last delivery is dead-lettered rather than abandoned).
         let Some(worker) = workers.take(&batch_size, shutdown).await else {
+            first.give_back().await;
             break Ok(Ended::Shutdown);
         };
         // A batch's time runs from here: waiting for a free worker is waiting in the queue,
         // which a smaller batch would not shorten.
         let started = Instant::now();
-        let limit = worker.limit;
+        let limit = if alone { 1 } else { worker.limit };
         let linger = pipeline.config.batch.linger;
         let (deliveries, gathering_ended) =
             gather(&mut source, first, limit, linger, shutdown).await;
@@ -173,10 +192,49 @@ async fn serve<S: Source>(
     };
     if ended.is_ok() {
         source.stop().await;
+        // What was prefetched and not started goes back now, to other hosts (a JetStream
+        // message on its last delivery is dead-lettered rather than abandoned).
+        let given = source.give_back().await;
+        if matches!(ended, Ok(Ended::FaultPause)) {
+            warn!(
+                pipeline = %pipeline.name(),
+                given_back = given,
+                "Paused by a configuration fault: stopped consuming and gave the prefetched messages back; one transaction keeps trying."
+            );
+        }
     }
     while in_flight.join_next().await.is_some() {}
     source.close().await;
     ended
+}
+
+/// Before the next delivery: whether it is to be taken alone, to find out whether a
+/// configuration fault that paused the pipeline is gone (no transaction keeps trying: each
+/// gave its messages back), or why consuming ends. While one transaction keeps trying,
+/// nothing more is taken, and after `RELEASE_AFTER` what was prefetched goes back.
+async fn before_next(
+    pipeline: &Pipeline,
+    shutdown: &CancellationToken,
+    probe_taken: &mut bool,
+) -> Result<bool, Ended> {
+    if pipeline.paused().is_none() {
+        *probe_taken = false;
+        return Ok(false);
+    }
+    if !pipeline.probing() && !*probe_taken {
+        *probe_taken = true;
+        return Ok(true);
+    }
+    tokio::select! {
+        biased;
+        () = shutdown.cancelled() => Err(Ended::Shutdown),
+        () = pipeline.operator_paused() => Err(Ended::OperatorPause),
+        () = pipeline.unpaused() => {
+            *probe_taken = false;
+            Ok(false)
+        }
+        () = tokio::time::sleep(RELEASE_AFTER) => Err(Ended::FaultPause),
+    }
 }
 
 /// With `batch.latency` set, how many multi-message batches are gathered at once. They

@@ -9,6 +9,10 @@ pub enum Outcome {
     Skip { reason: String },
 }
 
+/// Longest idempotency key accepted, the decision's and an outbox row's: longer keys would
+/// not fit the claims' and the outbox's btree indexes.
+pub const MAX_KEY_BYTES: usize = 1024;
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
     pub key: String,

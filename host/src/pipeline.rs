@@ -1,7 +1,7 @@
 //! One pipeline at run time: its config, plugin, statements, sessions and pause state, built and
 //! checked at start. The consume loop that feeds it deliveries is `consumer`.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
@@ -47,6 +47,10 @@ pub struct Pipeline {
     /// `Some` while a configuration fault pauses the pipeline: no new deliveries are taken
     /// until a retry of the failing transaction succeeds.
     paused: tokio::sync::watch::Sender<Option<Paused>>,
+    /// Held by the one transaction that keeps trying while a configuration fault pauses the
+    /// pipeline (the probe that resumes it); the others give their messages back to the
+    /// queue, for healthy hosts, instead of waiting here with them.
+    probing: AtomicBool,
     /// `Some` while an operator has paused the pipeline: it consumes nothing (its connection
     /// closed, what it had prefetched back on the queue) until resumed.
     operator_pause: tokio::sync::watch::Sender<Option<OperatorPause>>,
@@ -181,6 +185,7 @@ impl Pipeline {
             relay: RelayWaker::default(),
             batch_applier: tokio::sync::Mutex::new(()),
             paused: tokio::sync::watch::Sender::new(None),
+            probing: AtomicBool::new(false),
             operator_pause: tokio::sync::watch::Sender::new(None),
         })
     }
@@ -226,6 +231,24 @@ impl Pipeline {
             self.metrics.pipeline_paused(self.name(), false);
             info!(pipeline = %self.name(), "Pipeline resumed: the statement works again.");
         }
+    }
+
+    /// Becomes the transaction that keeps trying while the pipeline is paused, if no other
+    /// is. Returns whether it did; `release_probe` gives the role up.
+    pub(crate) fn take_probe(&self) -> bool {
+        self.probing
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Whether a transaction keeps trying while the pipeline is paused.
+    pub(crate) fn probing(&self) -> bool {
+        self.probing.load(Ordering::Acquire)
+    }
+
+    /// The probing transaction finished or gave its message up.
+    pub(crate) fn release_probe(&self) {
+        self.probing.store(false, Ordering::Release);
     }
 
     /// Why the pipeline is paused, if it is.

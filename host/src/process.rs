@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::backoff::Backoff;
-use crate::effect::{Decision, FailureKind, Outcome};
+use crate::config::OnTimeout;
+use crate::effect::{Decision, FailureKind, MAX_KEY_BYTES, Outcome};
 use crate::failpoint::Failpoint;
 use crate::message::InboundMessage;
 use crate::pipeline::{Paused, Pipeline};
@@ -18,9 +19,6 @@ use crate::sandbox::{LoadedPlugin, PluginError};
 use crate::store::fault;
 use crate::store::ledger::{self, BatchItem, ClaimOutcome, LedgerError, Plan};
 use crate::traces::MessageSpan;
-
-/// Longest idempotency key accepted; longer keys would not fit the claim's btree index.
-pub const MAX_KEY_BYTES: usize = 1024;
 
 /// How a message ends.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,7 +96,7 @@ pub async fn handle_delivery(
             Ok(plan) => plan,
             Err(disposition) => return disposition,
         };
-        apply_one(pipeline, &plan, shutdown, &traced).await
+        apply_one(pipeline, &plan, shutdown, &traced, 1).await
     }
     .instrument(traced.span().clone())
     .await;
@@ -106,14 +104,17 @@ pub async fn handle_delivery(
     disposition
 }
 
-/// Applies one message's plan in its own transaction, retrying transient failures.
+/// Applies one message's plan in its own transaction, retrying transient failures. `held`:
+/// how many messages the worker holds with it (a batch applied one at a time), which wait
+/// while it retries.
 async fn apply_one(
     pipeline: &Pipeline,
     plan: &Plan<'_>,
     shutdown: &CancellationToken,
     traced: &MessageSpan,
+    held: usize,
 ) -> Disposition {
-    let mut retries = Retries::new(pipeline, shutdown);
+    let mut retries = Retries::new(pipeline, shutdown, held);
     let mut tries = 0;
     loop {
         tries += 1;
@@ -194,9 +195,10 @@ pub async fn handle_batch(
                 Ok(None) => {
                     for (index, plan) in &planned {
                         let traced = &traced[*index];
-                        let disposition = apply_one(pipeline, plan, shutdown, traced)
-                            .instrument(traced.span().clone())
-                            .await;
+                        let disposition =
+                            apply_one(pipeline, plan, shutdown, traced, planned.len())
+                                .instrument(traced.span().clone())
+                                .await;
                         dispositions[*index] = Some(disposition);
                     }
                 }
@@ -235,7 +237,7 @@ async fn apply_together(
     } else {
         None
     };
-    let mut retries = Retries::new(pipeline, shutdown);
+    let mut retries = Retries::new(pipeline, shutdown, plans.len());
     let mut tries = 0;
     loop {
         tries += 1;
@@ -251,6 +253,12 @@ async fn apply_together(
             Ok(items) => {
                 retries.succeeded();
                 return Ok(Some(items));
+            }
+            // One slow message must not hold the others: timed out, the batch goes one
+            // message at a time, where each is timed on its own.
+            Err(error) if plans.len() > 1 && error.is_timeout() => {
+                warn!(pipeline = %pipeline.name(), %error, messages = plans.len(), "A batch timed out; applying its messages one at a time.");
+                return Ok(None);
             }
             Err(error) if error.is_retried() => {
                 if let Some(give_up) = retries.failed(plans[0].key, &error).await {
@@ -364,11 +372,31 @@ struct Retries<'a> {
     backoff: Backoff,
     conflicts: u32,
     stale_plans: u32,
+    /// This transaction is the pipeline's probe while a configuration fault pauses it
+    /// (`Pipeline::take_probe`).
     paused: bool,
+    /// How many messages the transaction holds: only one alone may be the probe.
+    messages: usize,
+    /// Tries that timed out (`LedgerError::is_timeout`).
+    timeouts: u32,
+}
+
+impl Drop for Retries<'_> {
+    /// A probe that gave up (the host stopping, a conflict past its budget) leaves the role
+    /// to the next transaction that meets the fault.
+    fn drop(&mut self) {
+        if self.paused {
+            self.pipeline.release_probe();
+        }
+    }
 }
 
 impl<'a> Retries<'a> {
-    fn new(pipeline: &'a Pipeline, shutdown: &'a CancellationToken) -> Retries<'a> {
+    fn new(
+        pipeline: &'a Pipeline,
+        shutdown: &'a CancellationToken,
+        messages: usize,
+    ) -> Retries<'a> {
         Retries {
             pipeline,
             shutdown,
@@ -376,6 +404,8 @@ impl<'a> Retries<'a> {
             conflicts: 0,
             stale_plans: 0,
             paused: false,
+            messages,
+            timeouts: 0,
         }
     }
 
@@ -383,14 +413,19 @@ impl<'a> Retries<'a> {
     fn succeeded(&mut self) {
         if self.paused {
             self.pipeline.resume();
+            self.pipeline.release_probe();
             self.paused = false;
         }
     }
 
     /// Records a retried failure and waits before the next try. `Some(Requeue)` when it
-    /// gives up: the conflict budget is spent, or the host is stopping.
+    /// gives up: the conflict budget is spent, or the host is stopping; and after
+    /// `transaction.timeouts` timed-out tries, what `transaction.on_timeout` says.
     async fn failed(&mut self, key: &str, error: &LedgerError) -> Option<Disposition> {
         let pipeline = self.pipeline;
+        if let Some(give_up) = self.timed_out(key, error) {
+            return Some(give_up);
+        }
         let (label, delay) = match error {
             LedgerError::Transient { source } => {
                 let label = fault::retry_label(source);
@@ -454,7 +489,46 @@ impl<'a> Retries<'a> {
         self.wait(delay).await
     }
 
-    /// Pauses the pipeline for a configuration fault and waits to try again.
+    /// Counts a try that timed out; after `transaction.timeouts` of them, what
+    /// `transaction.on_timeout` says.
+    fn timed_out(&mut self, key: &str, error: &LedgerError) -> Option<Disposition> {
+        if !error.is_timeout() {
+            return None;
+        }
+        self.timeouts += 1;
+        let pipeline = self.pipeline;
+        let settings = &pipeline.config.transaction;
+        if self.timeouts < settings.timeouts.get() {
+            return None;
+        }
+        pipeline
+            .metrics
+            .database_retried(pipeline.name(), "timeout");
+        warn!(
+            pipeline = %pipeline.name(),
+            %key,
+            %error,
+            timeouts = self.timeouts,
+            "The transaction kept timing out; it stops holding its worker (transaction.on_timeout)."
+        );
+        Some(match settings.on_timeout {
+            OnTimeout::Requeue => Disposition::Requeue,
+            OnTimeout::DeadLetter => Disposition::DeadLetter {
+                error_kind: "transaction-timeout",
+                reason: format!(
+                    "its transaction timed out {} times (transaction.timeouts): {error}",
+                    self.timeouts
+                ),
+            },
+        })
+    }
+
+    /// Pauses the pipeline for a configuration fault and waits to try again, as the one
+    /// transaction that keeps trying (the probe whose success resumes the pipeline: a single
+    /// message, the first to meet the fault). Any other transaction meeting it, and a batch
+    /// of several messages, gives its messages back to the queue (`Requeue`), for a healthy
+    /// host to take, instead of holding them here; the consumer then takes one message
+    /// alone to probe with (`consumer::serve`).
     async fn pause(
         &mut self,
         statement: &str,
@@ -468,7 +542,17 @@ impl<'a> Retries<'a> {
             sqlstate: sqlstate.to_string(),
             reason: reason.to_string(),
         });
-        self.paused = true;
+        if !self.paused {
+            if self.messages > 1 || !pipeline.take_probe() {
+                info!(
+                    pipeline = %pipeline.name(),
+                    statement,
+                    "Pipeline paused; the message goes back to the queue for a healthy host."
+                );
+                return Some(Disposition::Requeue);
+            }
+            self.paused = true;
+        }
         self.wait(PAUSE_RETRY).await
     }
 

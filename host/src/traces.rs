@@ -32,6 +32,12 @@ use crate::message::InboundMessage;
 pub const TRACEPARENT: &str = "traceparent";
 /// The W3C header that carries vendor trace state.
 pub const TRACESTATE: &str = "tracestate";
+/// The longest `tracestate` kept: the W3C specification's 32 members may be cut to 512
+/// bytes by any vendor; longer ones are dropped.
+const MAX_TRACESTATE: usize = 512;
+/// The longest `traceparent` read: version 00 is 55 bytes, a later version may append
+/// fields; anything longer is not one.
+const MAX_TRACEPARENT: usize = 512;
 
 /// A W3C trace context as it travels: in message headers, outbox rows and deliveries.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,19 +48,35 @@ pub struct TraceContext {
 
 impl TraceContext {
     /// The context a producer put in `headers` (names compared without case), if it is a
-    /// valid one; a malformed `traceparent` is ignored, as the W3C specification says.
+    /// valid one (see `parsed`).
     pub fn from_headers(headers: &[(String, String)]) -> Option<TraceContext> {
         let value = |name: &str| {
             headers
                 .iter()
                 .find(|(key, _)| key.eq_ignore_ascii_case(name))
-                .map(|(_, value)| value.clone())
+                .map(|(_, value)| value.as_str())
         };
+        TraceContext::parsed(value(TRACEPARENT)?, value(TRACESTATE))
+    }
+
+    /// The context `traceparent` and `tracestate` carry, as the W3C specification parses
+    /// them: a malformed `traceparent` is ignored (`None`), and a `tracestate` that is
+    /// malformed or longer than `MAX_TRACESTATE` bytes is dropped. Never the raw values:
+    /// what is kept is written anew from the parsed context, so a producer's bytes (a NUL,
+    /// a control character, 64 KB) never reach an outbox row or a delivery's headers.
+    pub fn parsed(traceparent: &str, tracestate: Option<&str>) -> Option<TraceContext> {
+        if traceparent.len() > MAX_TRACEPARENT {
+            return None;
+        }
         let received = TraceContext {
-            traceparent: value(TRACEPARENT)?,
-            tracestate: value(TRACESTATE).filter(|state| !state.is_empty()),
+            traceparent: traceparent.to_string(),
+            tracestate: tracestate
+                .filter(|state| state.len() <= MAX_TRACESTATE)
+                .map(str::to_string),
         };
-        received.is_valid().then_some(received)
+        let mut parsed = TraceContext::of(&received.context())?;
+        parsed.tracestate = parsed.tracestate.filter(|state| is_valid_tracestate(state));
+        Some(parsed)
     }
 
     /// The headers that carry it.
@@ -64,10 +86,6 @@ impl TraceContext {
             headers.push((TRACESTATE, state.as_str()));
         }
         headers
-    }
-
-    fn is_valid(&self) -> bool {
-        self.context().span().span_context().is_valid()
     }
 
     /// As an OpenTelemetry context, to parent a span with.
@@ -87,6 +105,35 @@ impl TraceContext {
             tracestate: carried.tracestate.filter(|state| !state.is_empty()),
         })
     }
+}
+
+/// Whether `state` is a W3C `tracestate` idem hands on: at most `MAX_TRACESTATE` bytes and 32
+/// members, each `key=value` with a key of lower-case letters, digits and `_-*/` (one `@`
+/// for a tenant) and a value of printable ASCII but `,` and `=`, not ending in a space.
+fn is_valid_tracestate(state: &str) -> bool {
+    let key_byte =
+        |byte: u8| byte.is_ascii_lowercase() || byte.is_ascii_digit() || b"_-*/@".contains(&byte);
+    let value_byte = |byte: u8| (0x20..0x7f).contains(&byte) && byte != b',' && byte != b'=';
+    let members: Vec<&str> = state
+        .split(',')
+        .map(|member| member.trim_matches([' ', '\t']))
+        .filter(|member| !member.is_empty())
+        .collect();
+    state.len() <= MAX_TRACESTATE
+        && members.len() <= 32
+        && members.iter().all(|member| {
+            let Some((key, value)) = member.split_once('=') else {
+                return false;
+            };
+            let first = key.bytes().next();
+            first.is_some_and(|byte| byte.is_ascii_lowercase() || byte.is_ascii_digit())
+                && key.len() <= 256
+                && key.bytes().all(key_byte)
+                && key.bytes().filter(|byte| *byte == b'@').count() <= 1
+                && (1..=256).contains(&value.len())
+                && value.bytes().all(value_byte)
+                && !value.ends_with(' ')
+        })
 }
 
 impl Extractor for TraceContext {
@@ -458,6 +505,35 @@ mod tests {
             );
         }
         assert_eq!(TraceContext::from_headers(&[]), None);
+    }
+
+    /// A producer's `tracestate` is kept only as the parsed context writes it: a NUL, a
+    /// control character, a malformed member or more than 512 bytes drop it (the
+    /// `traceparent` stays), and a long `traceparent` is no context at all.
+    #[test]
+    fn a_hostile_tracestate_is_dropped() {
+        let parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let long = format!("k={}", "v".repeat(10_000));
+        let members: Vec<String> = (0..40).map(|n| format!("vendor{n}=value{n}")).collect();
+        let many = members.join(",");
+        for bad in ["k=v\0", "k=v\n", "k=\u{1}", "=v", "k=v,=x", long.as_str()] {
+            let read =
+                TraceContext::from_headers(&headers(&[(TRACEPARENT, parent), (TRACESTATE, bad)]))
+                    .expect("the traceparent stays");
+            assert_eq!(read.traceparent, parent);
+            assert_eq!(read.tracestate, None, "{bad:?}");
+        }
+        let kept =
+            TraceContext::from_headers(&headers(&[(TRACEPARENT, parent), (TRACESTATE, &many)]))
+                .expect("a context");
+        let state = kept.tracestate.unwrap_or_default();
+        assert!(state.len() <= MAX_TRACESTATE, "{state}");
+        assert!(state.bytes().all(|byte| (0x20..0x7f).contains(&byte)));
+        let padded = format!("{parent}-{}", "0".repeat(100_000));
+        assert_eq!(
+            TraceContext::from_headers(&headers(&[(TRACEPARENT, &padded)])),
+            None
+        );
     }
 
     #[test]

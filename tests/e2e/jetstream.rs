@@ -15,7 +15,7 @@ use idem_e2e::{
 use idem_host::config::Config;
 
 /// The config text of a host serving `plugin` as pipeline `loyalty` from `stream`.
-fn config_text(
+pub(crate) fn config_text(
     env: &TestEnv,
     stream: &TestStream,
     plugin: &str,
@@ -29,7 +29,7 @@ fn config_text(
     )
 }
 
-fn parse(text: &str) -> Config {
+pub(crate) fn parse(text: &str) -> Config {
     Config::from_toml(Path::new("/tmp/idem-jetstream-test.toml"), text)
         .unwrap_or_else(|error| panic!("{error}\n{text}"))
 }

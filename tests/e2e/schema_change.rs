@@ -246,3 +246,132 @@ async fn an_incompatible_change_pauses_naming_both_types() {
     assert_eq!(env.count("SELECT count(*) FROM typed").await, 2);
     env.cleanup().await;
 }
+
+/// A pipeline paused by a configuration fault (its ledger table renamed away under load)
+/// holds no more than the one message that keeps trying: what it had prefetched, and what
+/// its other workers held, go back to the queue within seconds, for healthy hosts. Renamed
+/// back, the pipeline resumes and every order applies once.
+async fn a_fault_pause_gives_back(name: &str, extra: &str) {
+    let env = TestEnv::new(name).await;
+    let host = env.start_host(env.config("loyalty", extra));
+    for order_id in 0..10 {
+        env.publish(&order(order_id, order_id % 5, 100)).await;
+    }
+    wait_for("the first orders", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 10
+    })
+    .await;
+    sqlx::raw_sql("ALTER TABLE point_ledger RENAME TO point_ledger_away")
+        .execute(&env.pool)
+        .await
+        .expect("rename the ledger away");
+    const MORE: i64 = 200;
+    for order_id in 10..10 + MORE {
+        env.publish(&order(order_id, order_id % 5, 100)).await;
+    }
+    // Prefetch is 64: without giving back, 64 stay unacknowledged with the paused host.
+    wait_for(
+        "the paused host to hold one message at most",
+        Duration::from_secs(30),
+        || async { unacked(&env.queue) <= 1 && env.ready(&env.queue).await >= MORE as u32 - 1 },
+    )
+    .await;
+    sqlx::raw_sql("ALTER TABLE point_ledger_away RENAME TO point_ledger")
+        .execute(&env.pool)
+        .await
+        .expect("rename the ledger back");
+    wait_for("every order applied", Duration::from_secs(90), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 10 + MORE
+    })
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(env.ready(&env.dead_letter_queue).await, 0, "dead letters");
+    assert_eq!(
+        env.count("SELECT count(DISTINCT order_id) FROM point_ledger")
+            .await,
+        10 + MORE,
+        "an order applied twice"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fault_pause_gives_back_what_it_holds() {
+    a_fault_pause_gives_back("fault_gives_back", "").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fault_pause_gives_back_what_it_holds_in_batches() {
+    a_fault_pause_gives_back(
+        "fault_gives_back_batch",
+        "[pipelines.loyalty.batch]\nsize = 16",
+    )
+    .await;
+}
+
+/// A message whose own statement always outlasts `statement_timeout` (order 7's ledger row
+/// sleeps 1 s, the timeout is 200 ms), in batches of 16: the batch goes one message at a
+/// time, every other order applies, and after `transaction.timeouts` timed-out tries order 7
+/// stops holding its worker: dead-lettered as `transaction-timeout` with `on_timeout =
+/// "dead-letter"`, back to the end of the queue by default.
+async fn a_message_that_always_times_out(name: &str, on_timeout: &str) {
+    let env = TestEnv::new(name).await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION slow_seven() RETURNS trigger LANGUAGE plpgsql AS \
+           $$ BEGIN IF NEW.order_id = 7 THEN PERFORM pg_sleep(1); END IF; RETURN NEW; END $$; \
+         CREATE TRIGGER slow_seven BEFORE INSERT ON point_ledger \
+           FOR EACH ROW EXECUTE FUNCTION slow_seven();",
+    )
+    .execute(&env.pool)
+    .await
+    .expect("slow trigger");
+    let extra = format!(
+        "[pipelines.loyalty.batch]\nsize = 16\n\n[pipelines.loyalty.transaction]\n\
+         statement_timeout = \"200ms\"\ntimeouts = 3\n{on_timeout}"
+    );
+    let host = env.start_host(env.config("loyalty", &extra));
+    for order_id in 0..40 {
+        env.publish(&order(order_id, order_id % 5, 100)).await;
+    }
+    wait_for(
+        "every other order applied",
+        Duration::from_secs(90),
+        || async {
+            env.count("SELECT count(*) FROM point_ledger WHERE order_id <> 7")
+                .await
+                == 39
+        },
+    )
+    .await;
+    if on_timeout.contains("dead-letter") {
+        wait_for("order 7 dead-lettered", Duration::from_secs(60), || async {
+            env.ready(&env.dead_letter_queue).await == 1
+        })
+        .await;
+        let letters = env.drain(&env.dead_letter_queue).await;
+        let (_, headers) = &letters[0];
+        assert!(
+            headers
+                .iter()
+                .any(|(name, value)| name == "x-idem-error-kind" && value == "transaction-timeout"),
+            "{headers:?}"
+        );
+    }
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(
+        env.count("SELECT count(*) FROM point_ledger WHERE order_id = 7")
+            .await,
+        0
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_always_times_out_holds_nothing_and_goes_back() {
+    a_message_that_always_times_out("always_times_out", "").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_always_times_out_is_dead_lettered_on_request() {
+    a_message_that_always_times_out("always_times_out_dl", "on_timeout = \"dead-letter\"").await;
+}

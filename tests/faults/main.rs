@@ -11,6 +11,7 @@ mod cluster;
 mod database;
 mod failover;
 mod jetstream;
+mod memory_alarm;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;

@@ -79,7 +79,7 @@ pub async fn create_database(admin_url: &str, database: &str) -> (String, PgPool
         .connect(&database_url)
         .await
         .expect("connect test database");
-    idem_host::store::database::migrate_tables(&pool, &Default::default())
+    idem_host::store::database::migrate_tables(&pool, &Default::default(), Default::default())
         .await
         .expect("host migrations apply");
     for example in EXAMPLE_SCHEMAS {

@@ -27,7 +27,7 @@ pub use database::{DatabaseConfig, DatabaseTls, Hosts, Pooling, SYSTEM_ROOTS, Ss
 pub use http::HttpConfig;
 pub use outbox::{Destination, OutboxConfig};
 pub use pipeline::{
-    BatchConfig, ClaimMode, Isolation, PipelineConfig, PluginLimits, RetentionConfig,
+    BatchConfig, ClaimMode, Isolation, OnTimeout, PipelineConfig, PluginLimits, RetentionConfig,
     TransactionConfig,
 };
 pub use plugin_pool::PluginPoolConfig;

@@ -146,6 +146,15 @@ pub struct TransactionConfig {
     #[serde(default = "default_transaction_timeout", deserialize_with = "duration")]
     #[schemars(schema_with = "duration_schema")]
     pub timeout: Duration,
+    /// Tries a message may time out in a transaction of its own (a statement cancelled by
+    /// `statement_timeout`, or `timeout` passed) before it stops holding its worker; then
+    /// `on_timeout` decides. A batch with a timed-out try is applied one message at a time,
+    /// so one slow message does not hold the others. Default 5.
+    #[serde(default = "default_timeouts")]
+    pub timeouts: NonZeroU32,
+    /// What becomes of a message that timed out `timeouts` times alone.
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
 }
 
 impl Default for TransactionConfig {
@@ -157,8 +166,22 @@ impl Default for TransactionConfig {
             statement_timeout: default_statement_timeout(),
             lock_timeout: default_lock_timeout(),
             timeout: default_transaction_timeout(),
+            timeouts: default_timeouts(),
+            on_timeout: OnTimeout::default(),
         }
     }
+}
+
+/// `transaction.on_timeout`: the fate of a message whose transaction kept timing out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnTimeout {
+    /// Back to the end of the queue (RabbitMQ: a copy, then the original acked; JetStream: a
+    /// `Nak`), so the messages behind it go first; it is tried again later.
+    #[default]
+    Requeue,
+    /// Dead-lettered as `transaction-timeout`, with the last error, for an operator.
+    DeadLetter,
 }
 
 /// Transaction isolation level.
@@ -523,6 +546,10 @@ fn default_statement_timeout() -> Duration {
 
 fn default_lock_timeout() -> Duration {
     Duration::from_secs(5)
+}
+
+fn default_timeouts() -> NonZeroU32 {
+    NonZeroU32::new(5).expect("five")
 }
 
 fn default_transaction_timeout() -> Duration {

@@ -31,11 +31,18 @@ impl Publisher {
         row: &Taken,
         sent_headers: &[(String, String)],
     ) -> Result<(), DeliveryError> {
-        let channel = self.channel(broker).await?;
+        // A name or key over AMQP's 255 bytes (a row written before rows were checked)
+        // fails the attempt instead of the relay.
+        let short = |text: &str, what: &str| {
+            ShortString::try_new(text).map_err(|_| DeliveryError::Publish {
+                exchange: exchange.to_string(),
+                reason: format!("{what} of {} bytes does not fit AMQP's 255", text.len()),
+            })
+        };
         let mut headers = FieldTable::default();
         for (name, value) in sent_headers {
             headers.insert(
-                ShortString::from(name.as_str()),
+                short(name, "a header name")?,
                 AMQPValue::LongString(value.as_str().into()),
             );
         }
@@ -45,8 +52,9 @@ impl Publisher {
         );
         let properties = BasicProperties::default()
             .with_delivery_mode(PERSISTENT)
-            .with_message_id(row.idempotency_key.as_str().into())
+            .with_message_id(short(&row.idempotency_key, "the idempotency key")?)
             .with_headers(headers);
+        let channel = self.channel(broker).await?;
         match publish::confirmed(&channel, exchange, routing_key, &row.payload, properties).await {
             Ok(()) => Ok(()),
             Err(publish::Unconfirmed::Returned) => Err(DeliveryError::Unroutable {
@@ -54,7 +62,12 @@ impl Publisher {
                 routing_key: routing_key.to_string(),
             }),
             Err(unconfirmed) => {
-                if matches!(unconfirmed, publish::Unconfirmed::Channel(_)) {
+                // A confirm or a return that comes late must not be taken for the next
+                // publish's: a channel that timed out is not used again.
+                if matches!(
+                    unconfirmed,
+                    publish::Unconfirmed::Channel(_) | publish::Unconfirmed::TimedOut(_)
+                ) {
                     self.open = None;
                 }
                 Err(DeliveryError::Publish {

@@ -82,12 +82,14 @@ impl DeadLetter {
                 .map(|(_, value)| value.clone())
         };
         let number = |name: &str| header(name).and_then(|text| text.trim().parse::<u64>().ok());
-        let age = number(headers::REJECTED_AT).map(|seconds| {
-            let rejected = SystemTime::UNIX_EPOCH + Duration::from_secs(seconds);
-            SystemTime::now()
-                .duration_since(rejected)
-                .unwrap_or_default()
-        });
+        // A producer may set the header too: a time past what the clock holds is no age.
+        let age = number(headers::REJECTED_AT)
+            .and_then(|seconds| SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(seconds)))
+            .map(|rejected| {
+                SystemTime::now()
+                    .duration_since(rejected)
+                    .unwrap_or_default()
+            });
         DeadLetter {
             position,
             id,
@@ -241,4 +243,24 @@ pub(super) async fn turn(dead_letter: &str) -> tokio::sync::OwnedMutexGuard<()> 
         turns.entry(dead_letter.to_string()).or_default().clone()
     };
     turn.lock_owned().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A producer's `x-idem-rejected-at` past what the clock holds (a dead letter published
+    /// straight to the dead-letter queue) gives no age, and does not bring `idem dlq list`
+    /// down.
+    #[test]
+    fn a_rejection_time_out_of_range_has_no_age() {
+        for seconds in ["10000000000000000000", "18446744073709551615"] {
+            let message = InboundMessage {
+                headers: vec![(headers::REJECTED_AT.to_string(), seconds.to_string())],
+                ..InboundMessage::default()
+            };
+            let letter = DeadLetter::recorded(1, "id".into(), message);
+            assert_eq!(letter.age, None, "{seconds}");
+        }
+    }
 }

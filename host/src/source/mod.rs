@@ -222,6 +222,12 @@ pub trait Source: Send + Sized + 'static {
     /// Stops new deliveries; those already received can still be settled.
     fn stop(&mut self) -> impl Future<Output = ()> + Send;
 
+    /// After `stop`: returns to the broker what was received and not handed out by `next`
+    /// (prefetched), so other hosts take it while this one cannot apply anything (a
+    /// configuration fault pauses its pipeline). Returns how many went back. Deliveries
+    /// handed out stay this host's to settle.
+    fn give_back(&mut self) -> impl Future<Output = usize> + Send;
+
     /// Closes the connection; deliveries not settled go back to the broker.
     fn close(self) -> impl Future<Output = ()> + Send;
 }
@@ -256,4 +262,9 @@ pub trait Delivery: Send + Sync + 'static {
     /// Not at fault, not done (the host is stopping, a conflict outlasted its budget): back
     /// to the queue as it came.
     fn requeue(&self) -> impl Future<Output = bool> + Send;
+
+    /// Never started (the host stopped or paused first): back to the broker at once, where
+    /// it was (RabbitMQ: a `nack`; JetStream: a `Nak`, or a dead letter on its last delivery,
+    /// which given back would be abandoned).
+    fn give_back(&self) -> impl Future<Output = bool> + Send;
 }

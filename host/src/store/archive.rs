@@ -1,6 +1,8 @@
 //! Dead letters an operator archived before discarding them: rows of `idem_dead_letters`,
 //! whole (headers and body), written and committed before the dead letters are removed.
 
+use std::borrow::Cow;
+
 use sqlx::PgPool;
 
 use crate::store::bookkeeping;
@@ -28,10 +30,10 @@ pub async fn write(
 ) -> Result<(), sqlx::Error> {
     bookkeeping::in_transaction(pool, async |connection| {
         for letter in letters {
-            let headers: Vec<[&str; 2]> = letter
+            let headers: Vec<[Cow<'_, str>; 2]> = letter
                 .headers
                 .iter()
-                .map(|(name, value)| [name.as_str(), value.as_str()])
+                .map(|(name, value)| [storable(name), storable(value)])
                 .collect();
             bookkeeping::query(&tables.sql(
                 "INSERT INTO {archive} \
@@ -39,11 +41,11 @@ pub async fn write(
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             ))
             .bind(pipeline)
-            .bind(letter.dead_letter)
-            .bind(letter.error_kind)
-            .bind(letter.reason)
-            .bind(letter.message_id)
-            .bind(letter.subject)
+            .bind(storable(letter.dead_letter))
+            .bind(letter.error_kind.map(storable))
+            .bind(letter.reason.map(storable))
+            .bind(letter.message_id.map(storable))
+            .bind(storable(letter.subject))
             .bind(sqlx::types::Json(headers))
             .bind(letter.body)
             .execute(&mut *connection)
@@ -52,4 +54,26 @@ pub async fn write(
         Ok(())
     })
     .await
+}
+
+/// `text` as PostgreSQL stores it in text and JSON: a NUL (which a producer's header or
+/// routing key may hold, and which the server refuses) becomes U+FFFD, so one such dead
+/// letter does not fail the whole archive. The body is kept byte for byte.
+fn storable(text: &str) -> Cow<'_, str> {
+    if text.contains('\0') {
+        Cow::Owned(text.replace('\0', "\u{fffd}"))
+    } else {
+        Cow::Borrowed(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nul_is_replaced_and_nothing_else() {
+        assert_eq!(storable("plain é"), "plain é");
+        assert_eq!(storable("a\0b"), "a\u{fffd}b");
+    }
 }

@@ -76,6 +76,17 @@ impl LedgerError {
     pub fn is_retried(&self) -> bool {
         !matches!(self, LedgerError::Effect { .. })
     }
+
+    /// The transaction ran out of time: a statement cancelled (57014, by `statement_timeout`
+    /// or an operator), or the host's deadline passed. Retried, but a message that keeps
+    /// timing out may be its own cause (`transaction.timeouts`).
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            LedgerError::Deadline { .. } => true,
+            LedgerError::Transient { source } => fault::is_cancelled(source),
+            LedgerError::Effect { .. } | LedgerError::Config { .. } => false,
+        }
+    }
 }
 
 /// Partition mode's claim (see `partition`): under a transaction-scoped advisory lock on the
@@ -274,7 +285,7 @@ async fn apply_on(
         Claiming::Asking
     };
     let work = Work::prepare(session, tables, plan, claiming).await?;
-    let begin = begin_sql(settings, session.transaction_settings());
+    let begin = begin_sql(settings, session);
     if one_flight {
         return apply_in_one_flight(session, &work, &begin).await;
     }
@@ -495,7 +506,7 @@ async fn apply_batch_optimistic(
             ));
         }
     }
-    let begin = begin_sql(settings, session.transaction_settings());
+    let begin = begin_sql(settings, session);
     let claim_params: [&(dyn ToSql + Sync); 3] = [&consumer, &claim_keys, &claim_digests];
     session.set_in_transaction(true);
     let client = session.client();
@@ -579,7 +590,7 @@ async fn apply_batch_isolating(
             Work::prepare(session, tables, plan, Claiming::Asking).await?,
         ));
     }
-    let begin = begin_sql(settings, session.transaction_settings());
+    let begin = begin_sql(settings, session);
     let guarded = session.writes_only_in_transactions();
     session.set_in_transaction(true);
     match run_isolated(session.client(), &begin, guarded, &works, &mut items).await {
@@ -673,11 +684,29 @@ async fn commit_isolated(client: &Client, undo_last: bool) -> Result<Vec<Reply>,
     last.send().await
 }
 
-/// The statements that open a transaction: isolation, server-side timeouts and the mark the
-/// claims look for (`inside_open_transaction!`), then the session's own settings behind a
-/// transaction pooler (`Session::transaction_settings`).
-fn begin_sql(settings: &TransactionConfig, session_settings: &str) -> String {
+/// The statements that open a transaction on `session`: isolation, server-side timeouts, the
+/// mark the claims look for (`inside_open_transaction!`) and the check that the transaction
+/// runs on the session's own server process (`Session::own_backend_check`), then the
+/// session's own settings behind a transaction pooler (`Session::transaction_settings`).
+fn begin_sql(settings: &TransactionConfig, session: &Session) -> String {
+    begin_sql_with(
+        settings,
+        session.own_backend_check(),
+        session.transaction_settings(),
+    )
+}
+
+/// `begin_sql` with the session's check and settings given.
+fn begin_sql_with(
+    settings: &TransactionConfig,
+    own_backend: &str,
+    session_settings: &str,
+) -> String {
     let mut sql = format!("{}, {MARK_OPEN}", opening_sql(settings));
+    if !own_backend.is_empty() {
+        sql.push_str(", ");
+        sql.push_str(own_backend);
+    }
     if !session_settings.is_empty() {
         sql.push_str("; ");
         sql.push_str(session_settings);
@@ -883,7 +912,7 @@ impl<'p> Work<'p> {
                         Origin::Host,
                     );
                 }
-                flight.execute(claim, values, "claim", Origin::Host);
+                flight.execute(claim, values, "claim", Origin::Derived);
             }
             (None, ClaimStrategy::Ledger { .. }) => {}
             (None, ClaimStrategy::Natural) => {
@@ -950,7 +979,7 @@ impl<'p> Work<'p> {
                         &self.plan.tracestate,
                     ],
                     "outbox",
-                    Origin::Host,
+                    Origin::Derived,
                 );
             }
         }
@@ -1309,7 +1338,7 @@ mod tests {
             )
             .await
             .expect("temporary ledger");
-        let begin = begin_sql(&TransactionConfig::default(), "");
+        let begin = begin_sql_with(&TransactionConfig::default(), "", "");
         let keys = vec!["k".to_string()];
         let digests = vec!["d".to_string()];
         let tables = Tables::new(None);

@@ -13,8 +13,8 @@ use sqlx::{PgPool, Postgres, Row, Transaction};
 use crate::store::bookkeeping;
 use crate::store::tables::Tables;
 
-use crate::config::OutboxConfig;
-use crate::effect::OutboxMessage;
+use crate::config::{Destination, OutboxConfig};
+use crate::effect::{MAX_KEY_BYTES, OutboxMessage};
 use crate::traces::TraceContext;
 
 /// Rows of one message's outbox effects, checked against the configured destinations.
@@ -34,6 +34,45 @@ pub enum OutboxError {
     UnknownDestination { destination: String, known: String },
     #[error("outbox effect has an empty idempotency key")]
     EmptyKey,
+    /// A key no destination could carry: too long for the index or the AMQP `message-id`,
+    /// or with a control character no header may hold.
+    #[error("outbox effect's idempotency key {reason}")]
+    Key { reason: String },
+    /// A header no HTTP request or AMQP message could carry.
+    #[error("outbox effect's header {name:?} {reason}")]
+    Header { name: String, reason: &'static str },
+}
+
+/// The longest AMQP short string: a `message-id`, a header's name.
+const AMQP_SHORT_STRING: usize = 255;
+
+/// Why `key` cannot be an outbox row's idempotency key for `destination`, if it cannot:
+/// it is sent as `Idempotency-Key` (HTTP) or `message-id` (AMQP).
+fn key_problem(key: &str, destination: &Destination) -> Option<String> {
+    let limit = match destination {
+        Destination::Amqp { .. } => AMQP_SHORT_STRING,
+        Destination::Http { .. } => MAX_KEY_BYTES,
+    };
+    if key.len() > limit {
+        Some(format!("has {} bytes, limit is {limit}", key.len()))
+    } else if key.chars().any(char::is_control) {
+        Some("holds a control character".to_string())
+    } else {
+        None
+    }
+}
+
+/// Why a header `name: value` cannot be sent, if it cannot: a name must be an HTTP token
+/// (and an AMQP short string), a value free of control characters but the tab.
+fn header_problem(name: &str, value: &str) -> Option<&'static str> {
+    let token = |byte: u8| byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&byte);
+    if name.is_empty() || name.len() > AMQP_SHORT_STRING || !name.bytes().all(token) {
+        Some("is not a header name (letters, digits and !#$%&'*+-.^_`|~, at most 255 bytes)")
+    } else if value.chars().any(|c| c.is_control() && c != '\t') {
+        Some("has a value with a control character")
+    } else {
+        None
+    }
 }
 
 /// Pending rows this relay may take; rows another relay holds are skipped, not waited for.
@@ -64,7 +103,7 @@ impl OutboxRow {
         config: Option<&OutboxConfig>,
     ) -> Result<OutboxRow, OutboxError> {
         let known = config.map(|config| &config.destinations);
-        if !known.is_some_and(|known| known.contains_key(&message.destination)) {
+        let Some(destination) = known.and_then(|known| known.get(&message.destination)) else {
             return Err(OutboxError::UnknownDestination {
                 destination: message.destination.clone(),
                 known: known
@@ -72,13 +111,24 @@ impl OutboxRow {
                     .filter(|names| !names.is_empty())
                     .unwrap_or_else(|| "none; add an [outbox.destinations.<name>] table".into()),
             });
-        }
+        };
         let idempotency_key = message
             .key
             .clone()
             .unwrap_or_else(|| message_key.to_string());
         if idempotency_key.is_empty() {
             return Err(OutboxError::EmptyKey);
+        }
+        if let Some(reason) = key_problem(&idempotency_key, destination) {
+            return Err(OutboxError::Key { reason });
+        }
+        for (name, value) in &message.headers {
+            if let Some(reason) = header_problem(name, value) {
+                return Err(OutboxError::Header {
+                    name: name.chars().take(64).collect(),
+                    reason,
+                });
+            }
         }
         Ok(OutboxRow {
             destination: message.destination.clone(),
@@ -158,11 +208,13 @@ pub async fn take(
                 })
                 .unwrap_or_default(),
             attempts: row.try_get("attempts")?,
+            // Parsed again: a row written before contexts were parsed may carry a producer's
+            // raw tracestate, which no header could send.
             trace: match row.try_get::<Option<String>, _>("traceparent")? {
-                Some(traceparent) => Some(TraceContext {
-                    traceparent,
-                    tracestate: row.try_get("tracestate")?,
-                }),
+                Some(traceparent) => TraceContext::parsed(
+                    &traceparent,
+                    row.try_get::<Option<String>, _>("tracestate")?.as_deref(),
+                ),
                 None => None,
             },
         });
@@ -354,4 +406,38 @@ pub async fn retry_parked(
         .await
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys and headers no destination could carry are refused when the row is planned
+    /// (the message's fault, dead-lettered), not parked after every delivery failed.
+    #[test]
+    fn rows_no_destination_could_carry_are_refused() {
+        let http = Destination::Http {
+            url: "http://127.0.0.1/receipts".into(),
+            timeout: Duration::from_secs(1),
+            ca_file: None,
+        };
+        assert_eq!(key_problem("receipt:1", &http), None);
+        assert_eq!(key_problem("заказ:1", &http), None);
+        assert!(key_problem("a\nb", &http).is_some());
+        assert!(key_problem("a\u{7f}", &http).is_some());
+        assert!(key_problem(&"k".repeat(MAX_KEY_BYTES + 1), &http).is_some());
+        assert_eq!(key_problem(&"k".repeat(MAX_KEY_BYTES), &http), None);
+        assert_eq!(header_problem("content-type", "application/json"), None);
+        assert_eq!(header_problem("x-note", "a\tb"), None);
+        for (name, value) in [
+            ("", "v"),
+            ("bad name", "v"),
+            ("x-ok", "line\r\nInjected: yes"),
+            ("x-ok", "\u{1}"),
+            ("é", "v"),
+        ] {
+            assert!(header_problem(name, value).is_some(), "{name:?}: {value:?}");
+        }
+        assert!(header_problem(&"h".repeat(256), "v").is_some());
+    }
 }

@@ -152,6 +152,22 @@ struct Connection {
     client: Client,
     driver: tokio::task::JoinHandle<()>,
     prepared: HashMap<String, Statement>,
+    /// The expression a transaction's opening `SELECT` adds to fail (42704, a configuration
+    /// fault) unless it runs on this connection's own server process: a transaction pooler
+    /// left at `[database] pooling = "none"` lends each transaction whichever server
+    /// connection is free, and the session's settings (its `GUARD`) stay behind on the one
+    /// they were set on. Empty behind a pooler configured as one.
+    own_backend: String,
+}
+
+/// The setting named when a transaction lands on another server process than its session's
+/// (see `Connection::own_backend`): unset anywhere, so reading it fails, naming it.
+pub(crate) const POOLER_PROBE: &str = "idem.session_moved_to_another_server_connection";
+
+/// An expression that is empty text on server process `pid`, and fails with 42704 naming
+/// `POOLER_PROBE` on any other.
+pub(crate) fn own_backend_check(pid: i32) -> String {
+    format!("CASE WHEN pg_backend_pid() = {pid} THEN '' ELSE current_setting('{POOLER_PROBE}') END")
 }
 
 impl SessionPool {
@@ -235,15 +251,24 @@ impl Shared {
                 (client, tokio::spawn(drive(connection)))
             }
         };
+        let mut own_backend = String::new();
         if let Setup::PerConnection(settings) = &self.setup {
-            client
-                .batch_execute(&format!("{settings}; {GUARD}"))
+            let replies = client
+                .simple_query(&format!("{settings}; {GUARD}; SELECT pg_backend_pid()"))
                 .await?;
+            let pid = replies.iter().find_map(|reply| match reply {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_string),
+                _ => None,
+            });
+            if let Some(pid) = pid.and_then(|pid| pid.parse().ok()) {
+                own_backend = own_backend_check(pid);
+            }
         }
         Ok(Connection {
             client,
             driver,
             prepared: HashMap::new(),
+            own_backend,
         })
     }
 }
@@ -307,6 +332,13 @@ impl Session {
     /// Not behind a transaction pooler, where no session setting lasts.
     pub fn writes_only_in_transactions(&self) -> bool {
         matches!(self.shared.setup, Setup::PerConnection(_))
+    }
+
+    /// An expression the opening `SELECT` of every transaction adds, which fails unless the
+    /// transaction runs on this session's own server process (see
+    /// `Connection::own_backend`); empty behind a pooler configured as one.
+    pub fn own_backend_check(&self) -> &str {
+        &self.connection().own_backend
     }
 
     /// The `SET LOCAL`s every transaction opens with (behind a transaction pooler, separated

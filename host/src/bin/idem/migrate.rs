@@ -15,6 +15,12 @@ use crate::ConfigArg;
 pub struct Args {
     #[command(flatten)]
     config: ConfigArg,
+    /// Create idem's tables even though another installation of idem, with rows, is in
+    /// another schema of the database: a second installation apart from it. Without it,
+    /// `migrate` refuses and names that schema, because those are most likely this
+    /// configuration's claims, left behind by a changed `schema` or search path.
+    #[arg(long)]
+    new_installation: bool,
 }
 
 impl Args {
@@ -22,8 +28,14 @@ impl Args {
         let config = Config::load(&self.config.config)?;
         for (_, database_config, prefix) in crate::each_database(&config) {
             let pool = database::connect_once(database_config).await?;
-            let migration = database::migrate(&pool, database_config).await?;
+            let elsewhere = if self.new_installation {
+                database::Elsewhere::Ignore
+            } else {
+                database::Elsewhere::Refuse
+            };
+            let migration = database::migrate(&pool, database_config, elsewhere).await;
             pool.close().await;
+            let migration = migration?;
             let tables = Tables::of(database_config);
             if let Some(from) = &migration.moved_from {
                 println!(

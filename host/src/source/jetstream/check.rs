@@ -11,7 +11,7 @@ pub async fn check(pipelines: &[(&PipelineConfig, &JetStreamConfig)]) -> Vec<Fin
     let mut findings = Vec::with_capacity(pipelines.len());
     for (pipeline, source) in pipelines {
         let name = &pipeline.name;
-        findings.push(match inspect(source).await {
+        findings.push(match inspect(source, Some(pipeline.max_attempts)).await {
             Ok(Found::StreamMissing) => Finding::Ok(format!(
                 "pipeline {name:?}: stream {:?} will be created by idem run",
                 source.stream
@@ -32,7 +32,7 @@ pub async fn check(pipelines: &[(&PipelineConfig, &JetStreamConfig)]) -> Vec<Fin
 
 /// What `source`'s stream holds for its consumer.
 pub async fn status(source: &JetStreamConfig) -> Vec<StatusLine> {
-    let state = match inspect(source).await {
+    let state = match inspect(source, None).await {
         Ok(Found::StreamMissing) => "not created yet".to_string(),
         Ok(Found::ConsumerMissing { messages }) => {
             format!("{messages} messages; consumer not created yet")

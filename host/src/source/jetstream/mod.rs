@@ -18,11 +18,12 @@ use async_nats::jetstream::{self, AckKind, ErrorCode, stream};
 use async_nats::{ConnectErrorKind, ConnectOptions, HeaderMap};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{error, warn};
 
 pub mod check;
 pub mod dead_letters;
 
+use crate::backoff::Backoff;
 use crate::config::{
     ClaimMode, ConsumerStart, JetStreamConfig, PipelineConfig, SourceConfig, redact_url,
     subject_matches,
@@ -164,6 +165,8 @@ fn tls_setting(table: &str) -> String {
 pub struct Session {
     client: async_nats::Client,
     messages: pull::Stream,
+    /// The most messages one pull holds.
+    prefetch: usize,
     route: Arc<Route>,
 }
 
@@ -178,7 +181,13 @@ struct Route {
     /// a message starts again at try 1, so it gets more tries than `max_attempts`, never
     /// fewer.
     tries: std::sync::Mutex<std::collections::HashMap<u64, u32>>,
+    /// The host is stopping: a dead letter that cannot be stored stops waiting.
+    shutdown: CancellationToken,
 }
+
+/// How long `give_back` waits for the next message the pull holds: they are in memory, so a
+/// wait this long means there are no more.
+const GIVE_BACK_WAIT: Duration = Duration::from_millis(200);
 
 /// The retried messages a host remembers the tries of at most; past it, it forgets them all
 /// (they start again at try 1).
@@ -231,6 +240,7 @@ impl Session {
         source: &JetStreamConfig,
         pipeline: &PipelineConfig,
         prefetch: u16,
+        shutdown: &CancellationToken,
     ) -> Result<Session, JetStreamError> {
         let client = connect(
             source,
@@ -256,6 +266,11 @@ impl Session {
         .await?;
         ensure_dead_letter_stream(&context, source).await?;
         let consumer = ensure_consumer(&context, source, claim_window(source, pipeline)).await?;
+        let served = as_served(
+            source,
+            &consumer.cached_info().config,
+            pipeline.max_attempts,
+        )?;
         let messages = consumer
             .stream()
             .max_messages_per_batch(usize::from(prefetch).max(1))
@@ -267,11 +282,13 @@ impl Session {
         Ok(Session {
             client,
             messages,
+            prefetch: usize::from(prefetch).max(1),
             route: Arc::new(Route {
                 context,
                 pipeline: pipeline.name.clone(),
-                source: source.clone(),
+                source: served,
                 tries: std::sync::Mutex::default(),
+                shutdown: shutdown.clone(),
             }),
         })
     }
@@ -610,6 +627,38 @@ async fn ensure_consumer(
     Ok(consumer)
 }
 
+/// The source's settings as the server's consumer applies them: with `declare = false` the
+/// consumer is the operator's, and its own `ack_wait` (how often a held message is marked in
+/// progress) and `max_deliver` (when a message given back would be abandoned) are the ones
+/// that count. A `max_deliver` that leaves no room for `max_attempts` is refused, as the
+/// configured one is.
+fn as_served(
+    source: &JetStreamConfig,
+    have: &jetstream::consumer::Config,
+    max_attempts: std::num::NonZeroU32,
+) -> Result<JetStreamConfig, JetStreamError> {
+    let mut served = source.clone();
+    if source.declare {
+        return Ok(served);
+    }
+    served.ack_wait = have.ack_wait;
+    served.max_deliver = (have.max_deliver > 0).then_some(have.max_deliver);
+    let attempts = i64::from(max_attempts.get());
+    match served.max_deliver {
+        Some(max_deliver) if max_deliver <= attempts => Err(JetStreamError::Refused {
+            subject: format!("{}.consumer {:?}", source.table, source.consumer),
+            reason: format!(
+                "it allows {max_deliver} deliveries (max_deliver), which leaves no room for max_attempts = {attempts}: a delivery is also spent by every restart, crash or late ack"
+            ),
+            setting: format!(
+                "the consumer's max_deliver (above {attempts}, or -1 for no limit), or max_attempts of the pipeline of {}",
+                source.table
+            ),
+        }),
+        _ => Ok(served),
+    }
+}
+
 /// How an existing consumer differs from the one `wanted` describes, one phrase each. Its
 /// subject and ack policy always count; with `declare`, its `ack_wait` and `max_deliver` too.
 fn differences(
@@ -668,7 +717,12 @@ pub enum Found {
 /// Looks at `source`'s stream, consumer and dead-letter stream without creating anything.
 /// A refusal when something is missing that `idem run` would not create (`declare = false`),
 /// or the consumer differs from the config.
-pub async fn inspect(source: &JetStreamConfig) -> Result<Found, JetStreamError> {
+/// With `max_attempts` (`idem check`), a consumer of the operator's (`declare = false`) whose
+/// `max_deliver` leaves no room for them is refused, as `idem run` refuses it.
+pub async fn inspect(
+    source: &JetStreamConfig,
+    max_attempts: Option<std::num::NonZeroU32>,
+) -> Result<Found, JetStreamError> {
     let context = jetstream::new(connect(source, "idem check".into()).await?);
     let Some(stream) = find_stream(&context, &source.stream).await? else {
         if source.declare {
@@ -686,6 +740,9 @@ pub async fn inspect(source: &JetStreamConfig) -> Result<Found, JetStreamError> 
     };
     check_consumer(source, &consumer)?;
     let info = consumer.cached_info();
+    if let Some(max_attempts) = max_attempts {
+        as_served(source, &info.config, max_attempts)?;
+    }
     // A dead-letter stream that does not capture this pipeline's subject: `idem run` adds it
     // with `declare`, and refuses to start without. A failed lookup (`idem status` can go
     // without the count) shows as unknown.
@@ -818,9 +875,9 @@ impl Source for Session {
     async fn open(
         source: &JetStreamConfig,
         pipeline: &PipelineConfig,
-        _shutdown: &CancellationToken,
+        shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
-        Ok(Session::open(source, pipeline, pipeline.effective_prefetch()).await?)
+        Ok(Session::open(source, pipeline, pipeline.effective_prefetch(), shutdown).await?)
     }
 
     async fn next(&mut self) -> Result<Received, SourceError> {
@@ -847,8 +904,28 @@ impl Source for Session {
     }
 
     async fn stop(&mut self) {
-        // Nothing more is pulled once the stream is dropped at close; messages already
-        // pulled and not settled are delivered again after `ack_wait`.
+        // Nothing more is pulled once the stream is dropped at close.
+    }
+
+    /// What the pull holds and has not handed out (a prefetch's worth at most, each waited
+    /// for briefly): given back with a `Nak`, so another host takes it now rather than after
+    /// `ack_wait` (either way one delivery is spent), and dead-lettered on its last delivery
+    /// (given back, it would be abandoned: `Delivery::requeue`).
+    async fn give_back(&mut self) -> usize {
+        let mut given = 0;
+        for _ in 0..self.prefetch {
+            let Ok(Some(Ok(original))) =
+                tokio::time::timeout(GIVE_BACK_WAIT, self.messages.next()).await
+            else {
+                break;
+            };
+            if let Ok(received) = self.receive(original)
+                && received.give_back().await
+            {
+                given += 1;
+            }
+        }
+        given
     }
 
     async fn close(self) {
@@ -1039,23 +1116,40 @@ impl Delivery for Received {
             )
             .as_str(),
         );
-        let stored = async {
-            route
-                .context
-                .publish_with_headers(
-                    route.source.dead_letter_subject.clone(),
-                    headers,
-                    self.original.payload.clone(),
-                )
-                .await?
-                .await
-        };
-        match stored.await {
-            Ok(_) => self.settle(AckKind::Term).await,
-            Err(error) => {
-                warn!(pipeline = %route.pipeline, %error, subject = %route.source.dead_letter_subject, "Cannot store the dead letter; the message goes back to its stream.");
-                self.settle(AckKind::Nak(Some(Duration::from_secs(1))))
+        let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
+        loop {
+            let stored = async {
+                route
+                    .context
+                    .publish_with_headers(
+                        route.source.dead_letter_subject.clone(),
+                        headers.clone(),
+                        self.original.payload.clone(),
+                    )
+                    .await?
                     .await
+            };
+            let error = match stored.await {
+                Ok(_) => return self.settle(AckKind::Term).await,
+                Err(error) => error,
+            };
+            let Some(last) = self.last_delivery() else {
+                warn!(pipeline = %route.pipeline, %error, subject = %route.source.dead_letter_subject, "Cannot store the dead letter; the message goes back to its stream.");
+                return self
+                    .settle(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await;
+            };
+            // Given back, it would be abandoned: kept here (marked in progress) until the
+            // dead letter is stored.
+            if route.shutdown.is_cancelled() {
+                error!(pipeline = %route.pipeline, %error, stream = %route.source.stream, stream_sequence = self.stream_sequence, "Cannot store the dead letter, and {last}: the host is stopping, so the message stays in the stream undelivered; republish it from there.");
+                return false;
+            }
+            let delay = backoff.next_delay();
+            warn!(pipeline = %route.pipeline, %error, subject = %route.source.dead_letter_subject, retry_in_ms = delay.as_millis() as u64, "Cannot store the dead letter, and {last}: kept here and tried again.");
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = route.shutdown.cancelled() => {}
             }
         }
     }
@@ -1084,5 +1178,9 @@ impl Delivery for Received {
                 .await;
         }
         self.settle(AckKind::Nak(None)).await
+    }
+
+    async fn give_back(&self) -> bool {
+        self.requeue().await
     }
 }

@@ -71,9 +71,13 @@ impl AmqpError {
     }
 }
 
-/// One pipeline's connection to the broker: a channel in confirm mode consuming its queue.
+/// One pipeline's connections to the broker: a channel consuming its queue, and, on a
+/// connection of its own, a channel in confirm mode for the copies (dead letters, retries,
+/// requeues). Apart, because the broker stops reading from a connection that publishes
+/// during a memory or disk alarm: the consumer's acks keep flowing while a copy waits.
 pub struct Session {
     connection: Connection,
+    publisher: Connection,
     consumer: Consumer,
     consumer_tag: String,
     /// The owner of the channel's acks.
@@ -81,9 +85,14 @@ pub struct Session {
     route: Arc<Route>,
 }
 
-/// Where a pipeline's copies (dead letters, retries, requeues) go, and the channel they go on.
+/// Where a pipeline's copies (dead letters, retries, requeues) go, and the channels.
 struct Route {
+    /// The consumer's channel.
     channel: Channel,
+    /// The copies' channel, in confirm mode, on the publishing connection.
+    copies: Channel,
+    /// The publishing connection's state: whether the broker blocks it.
+    publisher: lapin::ConnectionStatus,
     pipeline: String,
     queues: RabbitMqConfig,
     /// Ends a retry's wait when the host stops.
@@ -123,26 +132,35 @@ impl Session {
             queues.queue,
             std::process::id()
         );
-        let connection = connect(&queues.broker, name).await?;
-        match Self::consume(
+        let connection = connect(&queues.broker, name.clone()).await?;
+        let consumed = Self::consume(
             &connection,
             &pipeline.name,
             queues,
             pipeline.effective_prefetch(),
         )
-        .await
-        {
-            Ok((channel, consumer, consumer_tag)) => Ok(Session {
+        .await;
+        let opened = match consumed {
+            Ok(consuming) => Self::copies(&queues.broker, &name, queues)
+                .await
+                .map(|copies| (consuming, copies)),
+            Err(error) => Err(error),
+        };
+        match opened {
+            Ok(((channel, consumer, consumer_tag), (publisher, copies))) => Ok(Session {
                 connection,
                 acks: Acks::spawn(channel.clone()),
                 route: Arc::new(Route {
                     channel,
+                    copies,
+                    publisher: publisher.status().clone(),
                     pipeline: pipeline.name.clone(),
                     queues: queues.clone(),
                     shutdown: shutdown.clone(),
                 }),
                 consumer,
                 consumer_tag,
+                publisher,
             }),
             Err(error) => {
                 let _ = connection
@@ -151,6 +169,36 @@ impl Session {
                 Err(error)
             }
         }
+    }
+
+    /// The publishing connection and its channel in confirm mode, for the copies.
+    async fn copies(
+        broker: &AmqpConfig,
+        name: &str,
+        queues: &RabbitMqConfig,
+    ) -> Result<(Connection, Channel), AmqpError> {
+        let publisher = connect(broker, format!("{name} (copies)")).await?;
+        let failed =
+            |action| move |source| topology::refusal(queues, Role::DeadLetter, action, source);
+        let channel = match publisher.create_channel().await {
+            Ok(channel) => channel,
+            Err(source) => {
+                let _ = publisher
+                    .close(200, ShortString::from("idem stopping"))
+                    .await;
+                return Err(failed("open a channel for")(source));
+            }
+        };
+        if let Err(source) = channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+        {
+            let _ = publisher
+                .close(200, ShortString::from("idem stopping"))
+                .await;
+            return Err(failed("enable publisher confirms on")(source));
+        }
+        Ok((publisher, channel))
     }
 
     async fn consume(
@@ -205,12 +253,13 @@ impl Session {
 
     /// Closes the connection; unacked deliveries return to their queue.
     pub async fn close(self) {
-        if let Err(error) = self
-            .connection
-            .close(200, ShortString::from("idem stopping"))
-            .await
-        {
-            tracing::debug!(%error, "Closing the RabbitMQ connection failed.");
+        for connection in [&self.connection, &self.publisher] {
+            if let Err(error) = connection
+                .close(200, ShortString::from("idem stopping"))
+                .await
+            {
+                tracing::debug!(%error, "Closing a RabbitMQ connection failed.");
+            }
         }
     }
 }
@@ -233,6 +282,11 @@ impl Source for Session {
             queue: self.route.queues.queue.clone(),
             reason,
         };
+        // Without its copies' channel, every dead letter and retry would go back to the
+        // queue and come again at once: the session is opened anew.
+        if !self.route.copies.status().connected() {
+            return Err(lost("the connection for dead letters and retries was lost".into()).into());
+        }
         match self.consumer.next().await {
             Some(Ok(delivery)) => {
                 let route = &self.route;
@@ -253,10 +307,35 @@ impl Source for Session {
         self.cancel().await;
     }
 
+    /// Every delivery the cancelled consumer still buffers, `nack`ed back to the head of the
+    /// queue: no publish, so it works during a memory alarm.
+    async fn give_back(&mut self) -> usize {
+        let mut given = 0;
+        while let Ok(Some(Ok(delivery))) =
+            tokio::time::timeout(GIVE_BACK_WAIT, self.consumer.next()).await
+        {
+            let (_, receipt) = receive(
+                &self.route.pipeline,
+                &self.route.queues,
+                delivery,
+                &self.acks,
+            );
+            // As `Delivery::give_back`: where it was, no publish.
+            if receipt.nack_requeue().await {
+                given += 1;
+            }
+        }
+        given
+    }
+
     async fn close(self) {
         Session::close(self).await;
     }
 }
+
+/// How long `give_back` waits for the next buffered delivery of a cancelled consumer: they
+/// are in memory, so a wait this long means there are no more.
+const GIVE_BACK_WAIT: Duration = Duration::from_millis(200);
 
 impl Delivery for Received {
     fn message(&self) -> &InboundMessage {
@@ -276,11 +355,14 @@ impl Delivery for Received {
     }
 
     async fn dead_letter(&self, error_kind: &'static str, reason: &str) -> bool {
+        if let Some(returned) = self.while_blocked().await {
+            return returned;
+        }
         let route = &self.route;
         let published = self
             .receipt
             .dead_letter(
-                &route.channel,
+                &route.copies,
                 &route.pipeline,
                 &route.queues,
                 error_kind,
@@ -296,24 +378,67 @@ impl Delivery for Received {
             () = tokio::time::sleep(delay) => {}
             () = route.shutdown.cancelled() => {}
         }
+        if let Some(returned) = self.while_blocked().await {
+            return returned;
+        }
         let published = self
             .receipt
-            .retry(&route.channel, &route.queues.queue, attempt)
+            .retry(&route.copies, &route.queues.queue, attempt)
             .await;
         self.moved_or_returned(published).await
     }
 
     async fn requeue(&self) -> bool {
+        if let Some(returned) = self.while_blocked().await {
+            return returned;
+        }
         let route = &self.route;
         let published = self
             .receipt
-            .requeue(&route.channel, &route.queues.queue)
+            .requeue(&route.copies, &route.queues.queue)
             .await;
         self.moved_or_returned(published).await
     }
+
+    async fn give_back(&self) -> bool {
+        self.receipt.nack_requeue().await
+    }
 }
 
+/// How long a delivery whose copy the broker would not take (a resource alarm blocks the
+/// publishing connection) is held before it goes back to its queue.
+const BLOCKED_HOLD: Duration = Duration::from_secs(1);
+
 impl Received {
+    /// While the broker blocks the publishing connection (a memory or disk alarm), a copy
+    /// would wait for the alarm's end, holding its worker. A classic queue's message goes
+    /// back instead (`nack`, after `BLOCKED_HOLD`, so it does not spin), and its worker takes
+    /// the next; a quorum queue's is held until the block ends (a `nack` would count against
+    /// its delivery limit), saying so. `None` when the copy may be published.
+    async fn while_blocked(&self) -> Option<bool> {
+        let route = &self.route;
+        let mut waited = Duration::ZERO;
+        while route.publisher.blocked() && !route.shutdown.is_cancelled() {
+            if route.queues.queue_type != QueueType::Quorum {
+                tokio::select! {
+                    () = tokio::time::sleep(BLOCKED_HOLD) => {}
+                    () = route.shutdown.cancelled() => {}
+                }
+                tracing::warn!(queue = %route.queues.queue, "RabbitMQ blocks publishing (a memory or disk alarm): the message goes back to its queue.");
+                return Some(self.receipt.nack_requeue().await);
+            }
+            if waited.as_secs().is_multiple_of(10) {
+                tracing::warn!(queue = %route.queues.queue, waited_s = waited.as_secs(), "RabbitMQ blocks publishing (a memory or disk alarm): holding the message until it lets a copy through.");
+            }
+            tokio::select! {
+                () = tokio::time::sleep(BLOCKED_HOLD) => {}
+                () = route.shutdown.cancelled() => {}
+            }
+            waited += BLOCKED_HOLD;
+        }
+        None
+    }
+
     /// The copy's fate; when the copy could not be published, the original goes back with a
     /// `nack` (or, with its channel gone, is redelivered by the broker).
     async fn moved_or_returned(&self, published: Result<bool, AmqpError>) -> bool {
@@ -630,7 +755,16 @@ impl Receipt {
         let properties = copy_properties(&self.properties, headers, copy);
         // One mandatory copy in flight at a time: a returned (unroutable) message then
         // belongs to the one publish awaiting its confirm, never to another worker's.
-        let _one_copy_at_a_time = COPY_PUBLISH.lock().await;
+        // Bounded like the confirm: while a blocked broker holds one copy, the others give
+        // their messages back instead of queueing behind it.
+        let Ok(_one_copy_at_a_time) =
+            tokio::time::timeout(publish::CONFIRM_WAIT, COPY_PUBLISH.lock()).await
+        else {
+            return Err(publish_error(format!(
+                "another copy waited {:?} for the broker's confirm",
+                publish::CONFIRM_WAIT
+            )));
+        };
         publish::confirmed(channel, "", queue, &self.body, properties)
             .await
             .map_err(|unconfirmed| {

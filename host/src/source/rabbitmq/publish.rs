@@ -2,6 +2,8 @@
 //! mode, and done only when the broker confirmed it. Copies of deliveries (retries, dead
 //! letters, replays) and the outbox relay's messages all go through [`confirmed`].
 
+use std::time::Duration;
+
 use lapin::options::BasicPublishOptions;
 use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Confirmation};
@@ -21,14 +23,48 @@ pub enum Unconfirmed {
     /// The channel is not in confirm mode: nothing says the message was stored.
     #[error("publisher confirms are off")]
     NotConfirmed,
+    /// No confirm came within [`CONFIRM_WAIT`]: the broker may be blocking publishers (a
+    /// memory or disk alarm), or the confirm was lost. Not stored, as far as idem knows.
+    #[error(
+        "no confirm within {0:?} (a memory or disk alarm blocks publishers, or the broker is overloaded)"
+    )]
+    TimedOut(Duration),
 }
+
+/// The longest wait for a broker's confirm. Past it the publish counts as failed (the
+/// caller keeps the message: a copy's original goes back to its queue, an outbox row is
+/// tried again), so a blocked broker holds a worker or a relay pass this long, not forever.
+pub const CONFIRM_WAIT: Duration = Duration::from_secs(15);
 
 /// Publishes `body` with `properties` to `exchange` (`""`, the default exchange, routes by
 /// queue name) under `routing_key`, `mandatory`, and waits for the broker's confirm.
 ///
 /// Only one mandatory publish may wait on a channel at a time: a returned message belongs to
-/// the one publish awaiting its confirm.
+/// the one publish awaiting its confirm. Waits at most [`CONFIRM_WAIT`], and says so when it
+/// gives up.
 pub async fn confirmed(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    properties: BasicProperties,
+) -> Result<(), Unconfirmed> {
+    let publish = publish_and_confirm(channel, exchange, routing_key, body, properties);
+    match tokio::time::timeout(CONFIRM_WAIT, publish).await {
+        Ok(confirmed) => confirmed,
+        Err(_) => {
+            tracing::warn!(
+                exchange,
+                routing_key,
+                waited_s = CONFIRM_WAIT.as_secs(),
+                "RabbitMQ confirmed no publish in time (a memory or disk alarm blocks publishers?); the message is kept and tried again."
+            );
+            Err(Unconfirmed::TimedOut(CONFIRM_WAIT))
+        }
+    }
+}
+
+async fn publish_and_confirm(
     channel: &Channel,
     exchange: &str,
     routing_key: &str,

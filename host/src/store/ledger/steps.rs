@@ -81,7 +81,7 @@ second = "INSERT INTO flight_effects (message_key, step) SELECT $1, 2 FROM pg_sl
         );
         let config = Config::from_toml(Path::new("/tmp/flight.toml"), &text).expect("config");
         let database = database::open(&config.database).await.expect("open");
-        database::migrate(&database.pool, &config.database)
+        database::migrate(&database.pool, &config.database, Default::default())
             .await
             .expect("migrate");
         let client = connect(&url).await;
@@ -199,7 +199,7 @@ where
         .expect("prepare");
     let begin = format!(
         "{begin_prefix}{}",
-        begin_sql(&pipeline.transaction, session.transaction_settings())
+        begin_sql(&pipeline.transaction, &session)
     );
     let (outcome, ()) = tokio::join!(
         apply_in_one_flight(&mut session, &work, &begin),

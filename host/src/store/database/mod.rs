@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::migrate::MigrateError;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{ConnectOptions, PgPool};
 use tokio_postgres_rustls::MakeRustlsConnect;
@@ -18,11 +18,16 @@ use crate::store::fault::{
 };
 use crate::store::primary::{self, Candidates};
 use crate::store::session::{SessionError, SessionPool, Setup};
-use crate::store::tables::{Tables, quote_identifier};
+use crate::store::tables::Tables;
 use crate::tls::Verify;
 
-/// The host's own tables (`processed_messages`), embedded at build time.
-pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+mod migrate;
+mod schema;
+#[cfg(test)]
+mod upgrades;
+
+pub use migrate::{Elsewhere, MIGRATOR, MigrateFailure, Migration, migrate, migrate_tables};
+pub use schema::check_schema;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatabaseError {
@@ -61,6 +66,16 @@ pub enum DatabaseError {
         endpoint: String,
         place: String,
         problems: String,
+    },
+    /// idem's tables, with their claims, are in another schema than the configuration's.
+    #[error(
+        "idem's tables, with rows, are in schema {found} at {endpoint}, not in {place} where this configuration looks; creating empty ones there would forget every claim. Set `schema = {first:?}` in the configuration's database table (for an installation of its own beside theirs, run `idem migrate --new-installation`)"
+    )]
+    Elsewhere {
+        endpoint: String,
+        place: String,
+        found: String,
+        first: String,
     },
     #[error(
         "idem's tables are missing or out of date in {place} at {endpoint} ({source}); run `idem migrate --config <file>` first"
@@ -514,398 +529,4 @@ pub async fn connect(
             }
         }
     }
-}
-
-/// What `migrate` did besides applying migrations.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Migration {
-    /// idem's tables were moved from this schema into `[database] schema`.
-    pub moved_from: Option<String>,
-    /// idem's rows were taken out of sqlx's `_sqlx_migrations` (where versions of idem
-    /// before its own history wrote them), leaving the application's.
-    pub history_adopted: u64,
-    /// Migrations applied now.
-    pub applied: usize,
-}
-
-/// Applies the host's migrations.
-///
-/// In one transaction, under a transaction-scoped advisory lock, so two hosts migrating at
-/// once take turns, and nothing outlives the transaction (safe behind a transaction
-/// pooler, where sqlx's migrator, holding a session lock and named statements, is not). The
-/// history is idem's own (`idem_migrations`, beside its tables), never an application's:
-/// idem's rows in `_sqlx_migrations`, from versions before it, are moved there.
-///
-/// With `[database] schema`, the schema is created, and idem's tables found in the search
-/// path's first schema (an installation from before the setting) are moved into it with
-/// their rows, so no claim is forgotten.
-///
-/// A `processed_messages` of another shape is not adopted: the transaction rolls back and
-/// nothing is changed.
-pub async fn migrate(pool: &PgPool, config: &DatabaseConfig) -> Result<Migration, DatabaseError> {
-    let tables = Tables::of(config);
-    let (migration, problems) =
-        migrate_tables(pool, &tables)
-            .await
-            .map_err(|source| DatabaseError::Migrate {
-                endpoint: redact_url(&config.url),
-                source,
-            })?;
-    foreign_claims(config, &tables, problems)?;
-    if let Some(from) = &migration.moved_from {
-        info!(from = %from, to = %tables.place(), "Moved idem's tables.");
-    }
-    if migration.history_adopted > 0 {
-        info!(
-            rows = migration.history_adopted,
-            "Moved idem's migration history out of _sqlx_migrations into idem_migrations."
-        );
-    }
-    Ok(migration)
-}
-
-/// `DatabaseError::ForeignClaims` when the claims table has `problems`.
-fn foreign_claims(
-    config: &DatabaseConfig,
-    tables: &Tables,
-    problems: Vec<String>,
-) -> Result<(), DatabaseError> {
-    if problems.is_empty() {
-        return Ok(());
-    }
-    Err(DatabaseError::ForeignClaims {
-        endpoint: redact_url(&config.url),
-        place: tables.place(),
-        problems: problems.join("; "),
-    })
-}
-
-/// The advisory lock key migrations take (`idem-migrate`).
-const MIGRATION_LOCK: i64 = 0x1de3_0000_0000_0002;
-
-/// idem's migration history: sqlx's columns, so the rows read the same as before.
-const CREATE_HISTORY: &str = "CREATE TABLE IF NOT EXISTS {history} (\
-       version bigint PRIMARY KEY, description text NOT NULL, \
-       installed_on timestamptz NOT NULL DEFAULT now(), success boolean NOT NULL, \
-       checksum bytea NOT NULL, execution_time bigint NOT NULL)";
-
-/// Applies what is missing, then checks the claims table; commits only if it is idem's, and
-/// returns its problems otherwise.
-pub async fn migrate_tables(
-    pool: &PgPool,
-    tables: &Tables,
-) -> Result<(Migration, Vec<String>), MigrateError> {
-    let mut transaction = bookkeeping::begin(pool, "").await?;
-    bookkeeping::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(MIGRATION_LOCK)
-        .execute(&mut *transaction)
-        .await?;
-    let mut migration = Migration::default();
-    if let Some(schema) = tables.schema() {
-        bookkeeping::raw(&format!(
-            "CREATE SCHEMA IF NOT EXISTS {}",
-            quote_identifier(schema)
-        ))
-        .execute(&mut *transaction)
-        .await?;
-        migration.moved_from = move_tables(&mut transaction, tables, schema).await?;
-    }
-    migration.history_adopted = adopt_history(&mut transaction, tables).await?;
-    let applied: Vec<(i64, Vec<u8>, bool)> =
-        bookkeeping::query_as(&tables.sql("SELECT version, checksum, success FROM {history}"))
-            .fetch_all(&mut *transaction)
-            .await?;
-    if let Some(schema) = tables.schema() {
-        // The migrations name their tables unqualified: they land in idem's schema.
-        bookkeeping::raw(&format!(
-            "SET LOCAL search_path TO {}",
-            quote_identifier(schema)
-        ))
-        .execute(&mut *transaction)
-        .await?;
-    }
-    for step in MIGRATOR.iter() {
-        if step.migration_type.is_down_migration() {
-            continue;
-        }
-        match applied
-            .iter()
-            .find(|(version, ..)| *version == step.version)
-        {
-            Some((version, _, false)) => return Err(MigrateError::Dirty(*version)),
-            Some((version, checksum, true)) if *checksum != *step.checksum => {
-                return Err(MigrateError::VersionMismatch(*version));
-            }
-            Some(_) => continue,
-            None => {}
-        }
-        let started = std::time::Instant::now();
-        sqlx::raw_sql(step.sql.clone())
-            .execute(&mut *transaction)
-            .await?;
-        bookkeeping::query(&tables.sql(
-            "INSERT INTO {history} (version, description, success, checksum, execution_time) \
-             VALUES ($1, $2, true, $3, $4)",
-        ))
-        .bind(step.version)
-        .bind(&*step.description)
-        .bind(&*step.checksum)
-        .bind(i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX))
-        .execute(&mut *transaction)
-        .await?;
-        migration.applied += 1;
-    }
-    let problems = claims_table_problems(&mut transaction, tables).await?;
-    if problems.is_empty() {
-        transaction.commit().await?;
-    } else {
-        transaction.rollback().await?;
-    }
-    Ok((migration, problems))
-}
-
-/// idem's tables of an installation from before `[database] schema`, in the search path's
-/// first schema: moved into `schema` (with their indexes, sequences and rows, and the
-/// claims' day partitions) when it has no claims table yet. Returns the schema they came
-/// from.
-async fn move_tables(
-    transaction: &mut sqlx::PgConnection,
-    tables: &Tables,
-    schema: &str,
-) -> Result<Option<String>, sqlx::Error> {
-    let home: Option<String> = bookkeeping::query_scalar("SELECT current_schema()::text")
-        .fetch_one(&mut *transaction)
-        .await?;
-    let Some(home) = home.filter(|home| home != schema) else {
-        return Ok(None);
-    };
-    let there = Tables::new(Some(&home));
-    let found: (bool, bool) = bookkeeping::query_as(&format!(
-        "SELECT to_regclass({}) IS NULL AND to_regclass({}) IS NOT NULL, \
-                to_regclass({}) IS NOT NULL OR to_regclass({}) IS NOT NULL",
-        literal(tables.claims()),
-        literal(there.claims()),
-        literal(there.history()),
-        literal(there.consumers()),
-    ))
-    .fetch_one(&mut *transaction)
-    .await?;
-    // idem's own: its history or its consumers' table beside the claims.
-    if found != (true, true) {
-        return Ok(None);
-    }
-    let partitions: Vec<String> = bookkeeping::query_scalar(&format!(
-        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-         WHERE i.inhparent = to_regclass({})",
-        literal(there.claims())
-    ))
-    .fetch_all(&mut *transaction)
-    .await?;
-    let mut moved: Vec<String> = [
-        there.claims(),
-        there.outbox(),
-        there.consumers(),
-        there.archive(),
-        there.history(),
-    ]
-    .map(str::to_string)
-    .to_vec();
-    moved.extend(
-        partitions
-            .iter()
-            .map(|partition| there.qualified(partition)),
-    );
-    for table in moved {
-        if table_exists(transaction, &table).await? {
-            bookkeeping::raw(&format!(
-                "ALTER TABLE {table} SET SCHEMA {}",
-                quote_identifier(schema)
-            ))
-            .execute(&mut *transaction)
-            .await?;
-        }
-    }
-    Ok(Some(home))
-}
-
-/// Creates idem's history, and moves idem's rows (its versions, with their checksums) out
-/// of the `_sqlx_migrations` the search path finds, where idem wrote them before it had a
-/// history of its own: into idem's history when idem's tables are where it is, so those
-/// migrations are not run again. Returns the rows taken out.
-async fn adopt_history(
-    transaction: &mut sqlx::PgConnection,
-    tables: &Tables,
-) -> Result<u64, sqlx::Error> {
-    bookkeeping::raw(&tables.sql(CREATE_HISTORY))
-        .execute(&mut *transaction)
-        .await?;
-    if !table_exists(transaction, "_sqlx_migrations").await? {
-        return Ok(0);
-    }
-    let (versions, checksums): (Vec<i64>, Vec<Vec<u8>>) = MIGRATOR
-        .iter()
-        .filter(|step| !step.migration_type.is_down_migration())
-        .map(|step| (step.version, step.checksum.to_vec()))
-        .unzip();
-    let in_place = table_exists(transaction, tables.claims()).await?;
-    let taken: i64 = bookkeeping::query_scalar(&tables.sql(
-        "WITH idem AS (DELETE FROM _sqlx_migrations \
-           WHERE (version, checksum) IN (SELECT * FROM unnest($1::int8[], $2::bytea[])) \
-           RETURNING *), \
-         kept AS (INSERT INTO {history} \
-             (version, description, installed_on, success, checksum, execution_time) \
-           SELECT version, description, installed_on, success, checksum, execution_time \
-           FROM idem WHERE $3 \
-           ON CONFLICT (version) DO NOTHING) \
-         SELECT count(*) FROM idem",
-    ))
-    .bind(&versions)
-    .bind(&checksums)
-    .bind(in_place)
-    .fetch_one(&mut *transaction)
-    .await?;
-    Ok(u64::try_from(taken).unwrap_or_default())
-}
-
-/// Whether `table` (qualified, or found by the search path) exists.
-async fn table_exists(
-    transaction: &mut sqlx::PgConnection,
-    table: &str,
-) -> Result<bool, sqlx::Error> {
-    bookkeeping::query_scalar(&format!(
-        "SELECT to_regclass({}) IS NOT NULL",
-        literal(table)
-    ))
-    .fetch_one(transaction)
-    .await
-}
-
-/// `text` as a SQL string literal.
-fn literal(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "''"))
-}
-
-/// The columns the claims need, with their types as `format_type` writes them.
-const CLAIM_COLUMNS: [(&str, &str); 4] = [
-    ("consumer", "text"),
-    ("message_key", "text"),
-    ("processed_at", "timestamp with time zone"),
-    ("plugin_digest", "text"),
-];
-
-/// How the `processed_messages` that idem's statements reach (by the search path) differs
-/// from the claims table idem needs: a column missing or of another type, a column the
-/// claims would leave empty that may not be, no unique key on `(consumer, message_key)`
-/// (`processed_at` added on a partitioned one). Empty when it is idem's, or absent.
-async fn claims_table_problems(
-    connection: &mut sqlx::PgConnection,
-    tables: &Tables,
-) -> Result<Vec<String>, sqlx::Error> {
-    let claims = literal(tables.claims());
-    // No parameters: the simple protocol, one exchange (see `bookkeeping`).
-    let columns = bookkeeping::raw(&format!(
-        "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), \
-                (a.attnotnull AND NOT a.atthasdef AND a.attidentity = '')::text \
-         FROM pg_attribute a \
-         WHERE a.attrelid = to_regclass({claims}) AND a.attnum > 0 \
-           AND NOT a.attisdropped"
-    ))
-    .fetch_all(&mut *connection)
-    .await?;
-    if columns.is_empty() {
-        return Ok(Vec::new());
-    }
-    let column = |row: &sqlx::postgres::PgRow, index: usize| -> Result<String, sqlx::Error> {
-        sqlx::Row::try_get::<String, _>(row, index)
-    };
-    let mut found = Vec::with_capacity(columns.len());
-    for row in &columns {
-        found.push((column(row, 0)?, column(row, 1)?, column(row, 2)? == "true"));
-    }
-    let mut problems = Vec::new();
-    for (name, wanted) in CLAIM_COLUMNS {
-        match found.iter().find(|(column, ..)| column == name) {
-            None => problems.push(format!("no column {name} ({wanted})")),
-            Some((_, kind, _)) if kind != wanted => {
-                problems.push(format!("column {name} is {kind}, idem needs {wanted}"));
-            }
-            Some(_) => {}
-        }
-    }
-    for (name, _, required) in &found {
-        if *required && !CLAIM_COLUMNS.iter().any(|(column, _)| column == name) {
-            problems.push(format!(
-                "column {name} is NOT NULL without a default (idem's claims do not fill it)"
-            ));
-        }
-    }
-    let keys = bookkeeping::raw(&format!(
-        "SELECT string_agg(a.attname::text, ',' ORDER BY a.attname) \
-         FROM pg_index i JOIN pg_attribute a \
-           ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
-         WHERE i.indrelid = to_regclass({claims}) AND i.indisunique \
-         GROUP BY i.indexrelid"
-    ))
-    .fetch_all(&mut *connection)
-    .await?;
-    let mut unique = Vec::with_capacity(keys.len());
-    for row in &keys {
-        unique.push(column(row, 0)?);
-    }
-    let claim_key = ["consumer,message_key", "consumer,message_key,processed_at"];
-    if !unique.iter().any(|key| claim_key.contains(&key.as_str())) {
-        problems.push(format!(
-            "no unique key on (consumer, message_key) (unique keys: {})",
-            if unique.is_empty() {
-                "none".to_string()
-            } else {
-                unique
-                    .iter()
-                    .map(|key| format!("({})", key.replace(',', ", ")))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            }
-        ));
-    }
-    Ok(problems)
-}
-
-/// Fails unless the host's tables (claims, and the outbox when `outbox` is configured) exist
-/// and are usable: a missing table must stop start-up, not dead-letter every message.
-pub async fn check_schema(
-    pool: &PgPool,
-    config: &DatabaseConfig,
-    outbox: bool,
-) -> Result<(), DatabaseError> {
-    let tables = Tables::of(config);
-    let mut probes = vec![
-        "SELECT consumer, message_key, processed_at, plugin_digest FROM {claims} LIMIT 0",
-        "SELECT consumer, retention_window, recorded_at, paused_at, pause_reason \
-         FROM {consumers} LIMIT 0",
-    ];
-    if outbox {
-        probes.push(
-            "SELECT id, destination, idempotency_key, payload, headers, attempts, next_attempt_at, \
-             last_error, delivered_at, parked_at FROM {outbox} LIMIT 0",
-        );
-    }
-    let schema_error = |source| DatabaseError::Schema {
-        endpoint: redact_url(&config.url),
-        place: tables.place(),
-        source,
-    };
-    // Another consumer's table first: `idem migrate` would not adopt it either.
-    let mut connection = pool.acquire().await.map_err(schema_error)?;
-    let problems = claims_table_problems(&mut connection, &tables)
-        .await
-        .map_err(schema_error)?;
-    foreign_claims(config, &tables, problems)?;
-    for probe in probes {
-        // No parameters: the simple protocol, one exchange (see `bookkeeping`).
-        bookkeeping::raw(&tables.sql(probe))
-            .execute(&mut *connection)
-            .await
-            .map_err(schema_error)?;
-    }
-    Ok(())
 }
