@@ -21,7 +21,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use lapin::options::BasicPublishOptions;
-use lapin::types::ShortString;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -80,9 +80,13 @@ enum Fault {
     ConsoleRead,
     DeadLetterRead,
     DeadLetterReplay,
+    /// The rolling change of `[database] schema` (once): `idem migrate` with the schema set,
+    /// run while the hosts work, under a role named like the schema, then the hosts restarted
+    /// one by one with the new config.
+    SchemaMove,
 }
 
-const CATALOGUE: [(Fault, u32); 11] = [
+const CATALOGUE: [(Fault, u32); 12] = [
     (Fault::KillHost, 3),
     (Fault::PauseHost, 2),
     (Fault::TerminateBackends, 3),
@@ -94,6 +98,7 @@ const CATALOGUE: [(Fault, u32); 11] = [
     (Fault::ConsoleRead, 2),
     (Fault::DeadLetterRead, 2),
     (Fault::DeadLetterReplay, 1),
+    (Fault::SchemaMove, 1),
 ];
 
 /// Schema changes a DBA makes under load; each runs once, in this order. Every generated
@@ -140,6 +145,8 @@ async fn receive(State(endpoint): State<Arc<Mutex<Endpoint>>>, headers: HeaderMa
 /// One `idem run` host and the config it runs with.
 struct HostSlot {
     config: PathBuf,
+    /// Its config once idem's tables moved into the schema named like the hosts' role.
+    moved_config: PathBuf,
     http_port: u16,
     process: Option<IdemProcess>,
     log: PathBuf,
@@ -205,6 +212,10 @@ pub async fn run(profile: Profile) -> Report {
     .execute(&env.pool)
     .await
     .expect("soak tables");
+    // The hosts log in as a role named like the schema idem's tables move to (the README's
+    // own example of a schema of idem's own), owning the database and its tables.
+    let role = env.database.clone();
+    own_database(&env, &role).await;
 
     let endpoint = Arc::new(Mutex::new(Endpoint::default()));
     let endpoint_port = {
@@ -219,12 +230,17 @@ pub async fn run(profile: Profile) -> Report {
         port
     };
 
+    // The natural pipeline's consumer is an operator's (`declare = false`), with a low
+    // delivery limit: the host serves it by the server's `max_deliver` and `ack_wait`.
+    operator_consumer(&stream).await;
+
     let directory = std::env::temp_dir().join(&env.database);
     std::fs::create_dir_all(&directory).expect("soak directory");
     let mut hosts: Vec<HostSlot> = (0..2)
         .map(|index| {
             let http_port = free_port();
             let config = directory.join(format!("host{index}.toml"));
+            let moved_config = directory.join(format!("host{index}-moved.toml"));
             let text = config_text(
                 &env,
                 &stream,
@@ -233,9 +249,18 @@ pub async fn run(profile: Profile) -> Report {
                 endpoint_port,
                 http_port,
             );
+            let header = env.config_header();
+            let text = text.replacen(&header, &as_role(&header, &role), 1);
+            let moved = text.replacen(
+                "[database]\n",
+                &format!("[database]\nschema = \"{role}\"\n"),
+                1,
+            );
             std::fs::write(&config, text).expect("write config");
+            std::fs::write(&moved_config, moved).expect("write config");
             HostSlot {
                 config,
+                moved_config,
                 http_port,
                 process: None,
                 log: directory.join(format!("host{index}.log")),
@@ -316,12 +341,25 @@ pub async fn run(profile: Profile) -> Report {
         failures.push("a host did not exit 0 on SIGTERM".into());
     }
     let mut counts = String::new();
+    let moved = count(
+        &env,
+        &format!(
+            "SELECT CASE WHEN to_regclass('\"{role}\".processed_messages') IS NULL THEN 0 ELSE 1 END::int8"
+        ),
+    )
+    .await
+        == 1;
+    let idem_tables = if moved {
+        format!("\"{role}\".")
+    } else {
+        String::new()
+    };
     check(
         &env,
+        &idem_tables,
         &stream,
         &endpoint,
         &produced,
-        profile.orders,
         &mut failures,
         &mut counts,
     )
@@ -360,6 +398,7 @@ pub async fn run(profile: Profile) -> Report {
     if passed {
         stream.cleanup().await;
         env.cleanup().await;
+        drop_role(&role).await;
         let _ = std::fs::remove_dir_all(&directory);
     }
     Report {
@@ -367,6 +406,86 @@ pub async fn run(profile: Profile) -> Report {
         passed,
         text,
     }
+}
+
+/// The deliveries the natural pipeline's consumer allows: low, above its `max_attempts` (5).
+const NATURAL_MAX_DELIVER: i64 = 8;
+
+/// The natural pipeline's consumer and dead-letter stream as an operator makes them.
+async fn operator_consumer(stream: &TestStream) {
+    use async_nats::jetstream::consumer::{AckPolicy, pull};
+    stream
+        .context
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: stream.dead_letter_stream.clone(),
+            subjects: vec![stream.dead_letter_subject.clone()],
+            ..Default::default()
+        })
+        .await
+        .expect("the dead-letter stream");
+    stream
+        .context
+        .create_consumer_on_stream(
+            pull::Config {
+                durable_name: Some("idem-natural".into()),
+                filter_subject: stream.subject.clone(),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(30),
+                max_deliver: NATURAL_MAX_DELIVER,
+                ..Default::default()
+            },
+            &stream.name,
+        )
+        .await
+        .expect("the operator's consumer");
+}
+
+/// Makes `role` (created, able to log in) the owner of `env`'s database and of every table
+/// in it, as an application's own role would be.
+async fn own_database(env: &TestEnv, role: &str) {
+    let database = &env.database;
+    for sql in [
+        format!("CREATE ROLE \"{role}\" LOGIN"),
+        format!("ALTER DATABASE \"{database}\" OWNER TO \"{role}\""),
+        format!(
+            "DO $$ DECLARE t record; BEGIN \
+               FOR t IN SELECT tablename FROM pg_tables WHERE schemaname = 'public' LOOP \
+                 EXECUTE format('ALTER TABLE public.%I OWNER TO %I', t.tablename, '{role}'); \
+               END LOOP; END $$"
+        ),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.clone()))
+            .execute(&env.pool)
+            .await
+            .unwrap_or_else(|error| panic!("{sql}: {error}"));
+    }
+}
+
+async fn drop_role(role: &str) {
+    use sqlx::Connection as _;
+    if let Ok(mut admin) = sqlx::PgConnection::connect(&crate::admin_url()).await {
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP ROLE IF EXISTS \"{role}\""
+        )))
+        .execute(&mut admin)
+        .await;
+    }
+}
+
+/// `header` (the `[database]` and `[amqp]` tables) with the database URL's user `role`.
+fn as_role(header: &str, role: &str) -> String {
+    header
+        .lines()
+        .map(|line| match line.strip_prefix("url = \"postgres://") {
+            Some(rest) => {
+                let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+                format!("url = \"postgres://{role}@{host}")
+            }
+            None => line.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
 }
 
 /// The config of one host: the three pipelines, the outbox endpoint, its own HTTP port.
@@ -410,7 +529,7 @@ plugin = "{loyalty}"
 claim = "natural"
 claim_statement = "record_ledger"
 workers = 4
-source = {{ kind = "jetstream", servers = ["{nats}"], stream = "{stream}", subject = "{subject}", dead_letter_subject = "{stream_dead_letter_subject}", dead_letter_stream = "{stream_dead_letters}" }}
+source = {{ kind = "jetstream", servers = ["{nats}"], stream = "{stream}", subject = "{subject}", dead_letter_subject = "{stream_dead_letter_subject}", dead_letter_stream = "{stream_dead_letters}", declare = false }}
 
 [pipelines.natural.statements]
 record_ledger = """
@@ -450,6 +569,8 @@ record_receipt = "INSERT INTO receipts (order_id, customer_id, total_cents) VALU
 /// What the producer published: every order reached each source at least once (confirmed),
 /// and these malformed bodies.
 struct Produced {
+    /// Distinct orders, `1..=orders`, to each source.
+    orders: i64,
     bad: BTreeSet<Vec<u8>>,
     deliveries: u64,
 }
@@ -469,6 +590,7 @@ async fn produce(
 ) -> Produced {
     let mut rabbit = RabbitPublisher::to(&crate::amqp_url());
     let mut produced = Produced {
+        orders,
         bad: BTreeSet::new(),
         deliveries: 0,
     };
@@ -486,10 +608,14 @@ async fn produce(
             produced.bad.insert(bad.clone());
             bodies.push(bad);
         }
+        // Every 11th order carries a hostile producer's headers: data, never a fault.
+        let hostile = order_id % 11 == 0;
         for body in &bodies {
             rabbit.publish(&queue, body).await;
-            rabbit.publish(&receipts_queue, body).await;
-            while !stored_on_stream(&stream, &subject, body).await {
+            rabbit
+                .publish_with(&receipts_queue, body, hostile.then(hostile_headers))
+                .await;
+            while !stored_on_stream(&stream, &subject, body, hostile).await {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             produced.deliveries += 3;
@@ -501,15 +627,55 @@ async fn produce(
     produced
 }
 
-/// Publishes `body` to `subject`; whether the stream confirmed it stored it.
+/// Headers a hostile producer sets: a `tracestate` with a NUL and one of 10 KB beside a
+/// valid `traceparent`, an attempt past any number, a control character in a header.
+fn hostile_headers() -> FieldTable {
+    let mut headers = FieldTable::default();
+    for (name, value) in [
+        (
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_string(),
+        ),
+        ("tracestate", "k=v\0".to_string()),
+        ("x-idem-attempt", "99999999999999999999999".to_string()),
+        ("x-idem-rejected-at", "18446744073709551615".to_string()),
+        ("x-note", format!("\u{1}{}", "x".repeat(10 * 1024))),
+    ] {
+        headers.insert(
+            ShortString::from(name),
+            AMQPValue::LongString(LongString::from(value.into_bytes())),
+        );
+    }
+    headers
+}
+
+/// Publishes `body` to `subject` (with a hostile producer's headers when `hostile`); whether
+/// the stream confirmed it stored it.
 async fn stored_on_stream(
     context: &async_nats::jetstream::Context,
     subject: &str,
     body: &[u8],
+    hostile: bool,
 ) -> bool {
+    let mut headers = async_nats::HeaderMap::new();
+    if hostile {
+        headers.insert(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        );
+        headers.insert(
+            "tracestate",
+            format!("k={}\u{1}", "v".repeat(10 * 1024)).as_str(),
+        );
+        headers.insert("x-idem-attempt", "-1");
+    }
     let stored = async {
         context
-            .publish(subject.to_string(), bytes::Bytes::copy_from_slice(body))
+            .publish_with_headers(
+                subject.to_string(),
+                headers,
+                bytes::Bytes::copy_from_slice(body),
+            )
             .await?
             .await
     };
@@ -537,6 +703,11 @@ impl RabbitPublisher {
     /// Publishes `body` to `queue` persistently and waits for the confirm, retrying (on a
     /// new connection) until the broker confirms it.
     pub async fn publish(&mut self, queue: &str, body: &[u8]) {
+        self.publish_with(queue, body, None).await;
+    }
+
+    /// [`RabbitPublisher::publish`] with `headers`.
+    pub async fn publish_with(&mut self, queue: &str, body: &[u8], headers: Option<FieldTable>) {
         loop {
             if self
                 .connection
@@ -566,7 +737,12 @@ impl RabbitPublisher {
                         ShortString::from(queue),
                         BasicPublishOptions::default(),
                         body,
-                        BasicProperties::default().with_delivery_mode(2),
+                        match &headers {
+                            Some(headers) => BasicProperties::default()
+                                .with_delivery_mode(2)
+                                .with_headers(headers.clone()),
+                            None => BasicProperties::default().with_delivery_mode(2),
+                        },
                     )
                     .await?
                     .await
@@ -665,6 +841,7 @@ async fn inject(
                     && started.is_ok_and(|status| status.success())
             )
         }
+        Fault::SchemaMove => move_schema(hosts).await,
         Fault::HotSwap => {
             hosts[target].signal("-HUP");
             format!("hot swap (SIGHUP) on host {target}")
@@ -713,6 +890,44 @@ async fn inject(
             )
         }
     }
+}
+
+/// The rolling change of `[database] schema`, once: `idem migrate` with the moved config while
+/// the hosts run on the old one (their unqualified names reach the moved tables through
+/// `"$user"`, the role being named like the schema), then each host restarted on the moved
+/// config in turn. Not done when the migration fails (PostgreSQL away): a later draw tries
+/// again.
+async fn move_schema(hosts: &mut [HostSlot]) -> String {
+    if hosts.iter().any(|host| host.config == host.moved_config) {
+        return "schema move: done already".into();
+    }
+    let config = hosts[0].moved_config.clone();
+    let migrated = tokio::task::spawn_blocking(move || {
+        Command::new(idem_binary())
+            .args(["migrate", "--config"])
+            .arg(config)
+            .output()
+    })
+    .await;
+    let Ok(Ok(output)) = migrated else {
+        return "schema move: idem migrate did not run".into();
+    };
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let said = said.split_whitespace().collect::<Vec<_>>().join(" ");
+    if !output.status.success() {
+        return format!("schema move: idem migrate failed ({said})");
+    }
+    let mut clean = true;
+    for host in hosts.iter_mut() {
+        clean &= host.stop();
+        host.config = host.moved_config.clone();
+        host.start();
+    }
+    format!("schema move: {said}; hosts restarted on the moved config (clean stops {clean})")
 }
 
 /// `sql`'s one number, or `None` while the database is away.
@@ -776,33 +991,35 @@ async fn settle(
 /// The checker. Appends each violation to `failures` and the counts to `counts`.
 async fn check(
     env: &TestEnv,
+    idem_tables: &str,
     stream: &TestStream,
     endpoint: &Arc<Mutex<Endpoint>>,
     produced: &Produced,
-    orders: i64,
     failures: &mut Vec<String>,
     counts: &mut String,
 ) {
+    let orders = produced.orders;
     let expected: BTreeSet<i64> = (1..=orders).collect();
-    let rows = |sql: &'static str| async move {
-        sqlx::query_as::<_, (String, i64)>(sql)
+    let rows = |sql: String| async move {
+        sqlx::query_as::<_, (String, i64)>(sqlx::AssertSqlSafe(sql.clone()))
             .fetch_all(&env.pool)
             .await
             .unwrap_or_else(|error| panic!("{sql}: {error}"))
     };
 
     // Ledger claims: one claim exactly when the order's ledger row is there once.
-    let claims: BTreeMap<String, i64> = rows(
-        "SELECT message_key, count(*)::int8 FROM processed_messages WHERE consumer = 'loyalty' GROUP BY 1",
+    let claims: BTreeMap<String, i64> = rows(format!(
+        "SELECT message_key, count(*)::int8 FROM {idem_tables}processed_messages WHERE consumer = 'loyalty' GROUP BY 1",
+    ))
+    .await
+    .into_iter()
+    .collect();
+    let ledger: BTreeMap<String, i64> = rows(
+        "SELECT 'order-completed:' || order_id, count(*)::int8 FROM point_ledger GROUP BY 1".into(),
     )
     .await
     .into_iter()
     .collect();
-    let ledger: BTreeMap<String, i64> =
-        rows("SELECT 'order-completed:' || order_id, count(*)::int8 FROM point_ledger GROUP BY 1")
-            .await
-            .into_iter()
-            .collect();
     per_key(
         "loyalty",
         &expected,
@@ -812,27 +1029,56 @@ async fn check(
         failures,
     );
     let natural: BTreeMap<String, i64> = rows(
-        "SELECT 'order-completed:' || order_id, count(*)::int8 FROM natural_ledger GROUP BY 1",
+        "SELECT 'order-completed:' || order_id, count(*)::int8 FROM natural_ledger GROUP BY 1"
+            .into(),
     )
     .await
     .into_iter()
     .collect();
+    // A good message on its last delivery that the host could not finish (a kill spends
+    // deliveries) is dead-lettered as `deliveries-exhausted`, never abandoned: expected
+    // there, and not applied.
+    let natural_letters = stream.dead_letters().await;
+    let exhausted: BTreeSet<i64> = natural_letters
+        .iter()
+        .filter(|(_, headers)| {
+            headers
+                .iter()
+                .any(|(name, value)| name == "x-idem-error-kind" && value == "deliveries-exhausted")
+        })
+        .filter_map(|(body, _)| {
+            serde_json::from_slice::<serde_json::Value>(body)
+                .ok()?
+                .get("order_id")?
+                .as_i64()
+        })
+        .collect();
+    let applied_and_exhausted = exhausted
+        .iter()
+        .filter(|id| natural.contains_key(&format!("order-completed:{id}")))
+        .count();
+    if applied_and_exhausted > 0 {
+        failures.push(format!(
+            "natural: {applied_and_exhausted} orders both applied and dead-lettered as deliveries-exhausted"
+        ));
+    }
+    let natural_expected: BTreeSet<i64> = expected.difference(&exhausted).copied().collect();
     per_key(
         "natural",
-        &expected,
+        &natural_expected,
         |id| format!("order-completed:{id}"),
         &natural,
         &natural,
         failures,
     );
-    let receipt_claims: BTreeMap<String, i64> = rows(
-        "SELECT message_key, count(*)::int8 FROM processed_messages WHERE consumer = 'receipts' GROUP BY 1",
-    )
+    let receipt_claims: BTreeMap<String, i64> = rows(format!(
+        "SELECT message_key, count(*)::int8 FROM {idem_tables}processed_messages WHERE consumer = 'receipts' GROUP BY 1",
+    ))
     .await
     .into_iter()
     .collect();
     let receipts: BTreeMap<String, i64> =
-        rows("SELECT 'receipt:' || order_id, count(*)::int8 FROM receipts GROUP BY 1")
+        rows("SELECT 'receipt:' || order_id, count(*)::int8 FROM receipts GROUP BY 1".into())
             .await
             .into_iter()
             .collect();
@@ -867,7 +1113,7 @@ async fn check(
     // The outbox: every receipt delivered, none parked or pending.
     let undelivered = count(
         env,
-        "SELECT count(*) FROM idem_outbox WHERE delivered_at IS NULL",
+        &format!("SELECT count(*) FROM {idem_tables}idem_outbox WHERE delivered_at IS NULL"),
     )
     .await;
     let accepted = endpoint.lock().expect("endpoint").accepted.clone();
@@ -907,14 +1153,16 @@ async fn check(
             .collect();
         dead.insert(pipeline, bodies);
     }
-    let natural_dead = stream
-        .dead_letters()
-        .await
+    let natural_dead = natural_letters
         .into_iter()
         .filter(|(_, headers)| {
-            headers
-                .iter()
-                .any(|(name, value)| name == "x-idem-pipeline" && value == "natural")
+            let named = |wanted: &str, expected: &str| {
+                headers
+                    .iter()
+                    .any(|(name, value)| name == wanted && value == expected)
+            };
+            named("x-idem-pipeline", "natural")
+                && !named("x-idem-error-kind", "deliveries-exhausted")
         })
         .map(|(body, _)| body)
         .collect();
@@ -955,7 +1203,7 @@ async fn check(
         counts,
         "published {} deliveries ({orders} orders per source, {} malformed per source); \
          claims loyalty {} / receipts {}; rows point_ledger {} natural_ledger {} receipts {}; \
-         dead letters loyalty {} natural {} receipts {}; receipts delivered {} (+{redelivered} repeats with the same key)",
+         dead letters loyalty {} natural {} (+{} deliveries-exhausted) receipts {}; receipts delivered {} (+{redelivered} repeats with the same key)",
         produced.deliveries,
         produced.bad.len(),
         claims.len(),
@@ -965,6 +1213,7 @@ async fn check(
         receipts.values().sum::<i64>(),
         dead["loyalty"].len(),
         dead["natural"].len(),
+        exhausted.len(),
         dead["receipts"].len(),
         accepted.len(),
     );
