@@ -125,7 +125,7 @@ async fn apply_one(
         traced.transaction(took, tries);
         match result {
             Err(error) if error.is_retried() => {
-                if let Some(give_up) = retries.failed(plan.key, &error).await {
+                if let Some(give_up) = retries.failed(plan.key, &error, took).await {
                     return give_up;
                 }
             }
@@ -256,12 +256,12 @@ async fn apply_together(
             }
             // One slow message must not hold the others: timed out, the batch goes one
             // message at a time, where each is timed on its own.
-            Err(error) if plans.len() > 1 && error.is_timeout() => {
+            Err(error) if plans.len() > 1 && ran_out_of_time(pipeline, &error, took) => {
                 warn!(pipeline = %pipeline.name(), %error, messages = plans.len(), "A batch timed out; applying its messages one at a time.");
                 return Ok(None);
             }
             Err(error) if error.is_retried() => {
-                if let Some(give_up) = retries.failed(plans[0].key, &error).await {
+                if let Some(give_up) = retries.failed(plans[0].key, &error, took).await {
                     return Err(give_up);
                 }
             }
@@ -377,7 +377,7 @@ struct Retries<'a> {
     paused: bool,
     /// How many messages the transaction holds: only one alone may be the probe.
     messages: usize,
-    /// Tries that timed out (`LedgerError::is_timeout`).
+    /// Tries that ran out of time (`ran_out_of_time`).
     timeouts: u32,
 }
 
@@ -421,9 +421,14 @@ impl<'a> Retries<'a> {
     /// Records a retried failure and waits before the next try. `Some(Requeue)` when it
     /// gives up: the conflict budget is spent, or the host is stopping; and after
     /// `transaction.timeouts` timed-out tries, what `transaction.on_timeout` says.
-    async fn failed(&mut self, key: &str, error: &LedgerError) -> Option<Disposition> {
+    async fn failed(
+        &mut self,
+        key: &str,
+        error: &LedgerError,
+        took: Duration,
+    ) -> Option<Disposition> {
         let pipeline = self.pipeline;
-        if let Some(give_up) = self.timed_out(key, error) {
+        if let Some(give_up) = self.timed_out(key, error, took) {
             return Some(give_up);
         }
         let (label, delay) = match error {
@@ -491,8 +496,8 @@ impl<'a> Retries<'a> {
 
     /// Counts a try that timed out; after `transaction.timeouts` of them, what
     /// `transaction.on_timeout` says.
-    fn timed_out(&mut self, key: &str, error: &LedgerError) -> Option<Disposition> {
-        if !error.is_timeout() {
+    fn timed_out(&mut self, key: &str, error: &LedgerError, took: Duration) -> Option<Disposition> {
+        if !ran_out_of_time(self.pipeline, error, took) {
             return None;
         }
         self.timeouts += 1;
@@ -561,6 +566,21 @@ impl<'a> Retries<'a> {
             () = tokio::time::sleep(delay) => None,
             () = self.shutdown.cancelled() => Some(Disposition::Requeue),
         }
+    }
+}
+
+/// Whether a try that failed with `error` after `took` ran out of time: the host's deadline
+/// passed, or a statement was cancelled (57014) after at least `transaction.statement_timeout`.
+/// A cancel that comes sooner is an operator's (`pg_cancel_backend`), not the message's
+/// slowness, and is retried like any other outage.
+fn ran_out_of_time(pipeline: &Pipeline, error: &LedgerError, took: Duration) -> bool {
+    let limit = pipeline.config.transaction.statement_timeout;
+    match error {
+        LedgerError::Deadline { .. } => true,
+        LedgerError::Transient { source } => {
+            fault::is_cancelled(source) && !limit.is_zero() && took >= limit
+        }
+        LedgerError::Effect { .. } | LedgerError::Config { .. } => false,
     }
 }
 

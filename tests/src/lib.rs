@@ -653,7 +653,9 @@ pub async fn redeclare(channel: &Channel, queue: &str, arguments: FieldTable) {
     declare(channel, queue, arguments).await;
 }
 
-async fn declare_durable(channel: &Channel, queue: &str) {
+/// Declares `queue` durable, classic and without arguments, as a host with the default
+/// settings does.
+pub async fn declare_durable(channel: &Channel, queue: &str) {
     declare(channel, queue, FieldTable::default()).await;
 }
 

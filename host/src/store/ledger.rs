@@ -76,17 +76,6 @@ impl LedgerError {
     pub fn is_retried(&self) -> bool {
         !matches!(self, LedgerError::Effect { .. })
     }
-
-    /// The transaction ran out of time: a statement cancelled (57014, by `statement_timeout`
-    /// or an operator), or the host's deadline passed. Retried, but a message that keeps
-    /// timing out may be its own cause (`transaction.timeouts`).
-    pub fn is_timeout(&self) -> bool {
-        match self {
-            LedgerError::Deadline { .. } => true,
-            LedgerError::Transient { source } => fault::is_cancelled(source),
-            LedgerError::Effect { .. } | LedgerError::Config { .. } => false,
-        }
-    }
 }
 
 /// Partition mode's claim (see `partition`): under a transaction-scoped advisory lock on the

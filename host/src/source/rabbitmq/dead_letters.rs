@@ -18,6 +18,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use sha2::{Digest, Sha256};
 use tracing::warn;
 
+use super::publish::CopyChannel;
 use super::{AmqpError, Copy, Receipt, connect_channel, inbound_message, topology};
 use crate::config::{PipelineConfig, QueueType, RabbitMqConfig};
 use crate::message::InboundMessage;
@@ -41,6 +42,7 @@ pub async fn pass(
     let (connection, channel) = connect_channel(&queues.broker, "dlq").await?;
     let acks = super::Acks::spawn(channel.clone());
     let waiting = prepare(&channel, queues).await?;
+    let copies = CopyChannel::unwatched(channel.clone());
     // A quorum queue counts every `nack` against its delivery limit: kept messages are
     // renewed at once (see the module's words) rather than held and given back.
     let renew = queues.queue_type == QueueType::Quorum;
@@ -81,7 +83,7 @@ pub async fn pass(
             if !renew {
                 held_bytes += receipt.body.len();
                 kept.push(receipt);
-            } else if let Err(error) = receipt.requeue(&channel, queue).await {
+            } else if let Err(error) = receipt.requeue(&copies, queue).await {
                 // Not renewed: the channel's close gives it back.
                 outcome = Err(error);
                 break;
@@ -90,7 +92,7 @@ pub async fn pass(
         }
         let removed = match action {
             Action::Discard => discard(&receipt, queues).await,
-            _ => replay(&channel, &receipt, &letter, queues).await,
+            _ => replay(&copies, &receipt, &letter, queues).await,
         };
         if let Err(error) = removed {
             kept.push(receipt);
@@ -159,7 +161,7 @@ async fn next(
 
 /// Replays `letter`: a copy on the pipeline's queue, confirmed, then the dead letter acked.
 async fn replay(
-    channel: &Channel,
+    channel: &CopyChannel,
     receipt: &Receipt,
     letter: &DeadLetter,
     queues: &RabbitMqConfig,

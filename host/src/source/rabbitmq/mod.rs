@@ -29,6 +29,7 @@ use topology::Role;
 use crate::config::{AmqpConfig, PipelineConfig, QueueType, RabbitMqConfig, SourceConfig};
 use crate::message::InboundMessage;
 use crate::source::{self, Delivery, Source, SourceError, headers, unix_seconds};
+use publish::CopyChannel;
 
 /// The source kind a plugin sees in `message.source`.
 pub const KIND: &str = SourceConfig::RABBITMQ;
@@ -90,9 +91,7 @@ struct Route {
     /// The consumer's channel.
     channel: Channel,
     /// The copies' channel, in confirm mode, on the publishing connection.
-    copies: Channel,
-    /// The publishing connection's state: whether the broker blocks it.
-    publisher: lapin::ConnectionStatus,
+    copies: CopyChannel,
     pipeline: String,
     queues: RabbitMqConfig,
     /// Ends a retry's wait when the host stops.
@@ -107,6 +106,7 @@ pub struct Received {
 }
 
 /// A delivery's identity and its channel's ack owner, kept apart from the data the plugin sees.
+#[derive(Clone)]
 pub struct Receipt {
     acks: Acks,
     pub delivery_tag: u64,
@@ -152,8 +152,7 @@ impl Session {
                 acks: Acks::spawn(channel.clone()),
                 route: Arc::new(Route {
                     channel,
-                    copies,
-                    publisher: publisher.status().clone(),
+                    copies: CopyChannel::watched(copies, publisher.status().clone()),
                     pipeline: pipeline.name.clone(),
                     queues: queues.clone(),
                     shutdown: shutdown.clone(),
@@ -284,7 +283,7 @@ impl Source for Session {
         };
         // Without its copies' channel, every dead letter and retry would go back to the
         // queue and come again at once: the session is opened anew.
-        if !self.route.copies.status().connected() {
+        if !self.route.copies.channel.status().connected() {
             return Err(lost("the connection for dead letters and retries was lost".into()).into());
         }
         match self.consumer.next().await {
@@ -355,49 +354,23 @@ impl Delivery for Received {
     }
 
     async fn dead_letter(&self, error_kind: &'static str, reason: &str) -> bool {
-        if let Some(returned) = self.while_blocked().await {
-            return returned;
-        }
-        let route = &self.route;
-        let published = self
-            .receipt
-            .dead_letter(
-                &route.copies,
-                &route.pipeline,
-                &route.queues,
-                error_kind,
-                reason,
-            )
-            .await;
-        self.moved_or_returned(published).await
+        self.copied(Copying::DeadLetter {
+            error_kind,
+            reason: reason.to_string(),
+        })
+        .await
     }
 
     async fn retry(&self, attempt: u32, delay: Duration) -> bool {
-        let route = &self.route;
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
-            () = route.shutdown.cancelled() => {}
+            () = self.route.shutdown.cancelled() => {}
         }
-        if let Some(returned) = self.while_blocked().await {
-            return returned;
-        }
-        let published = self
-            .receipt
-            .retry(&route.copies, &route.queues.queue, attempt)
-            .await;
-        self.moved_or_returned(published).await
+        self.copied(Copying::Retry(attempt)).await
     }
 
     async fn requeue(&self) -> bool {
-        if let Some(returned) = self.while_blocked().await {
-            return returned;
-        }
-        let route = &self.route;
-        let published = self
-            .receipt
-            .requeue(&route.copies, &route.queues.queue)
-            .await;
-        self.moved_or_returned(published).await
+        self.copied(Copying::Requeue).await
     }
 
     async fn give_back(&self) -> bool {
@@ -405,38 +378,92 @@ impl Delivery for Received {
     }
 }
 
-/// How long a delivery whose copy the broker would not take (a resource alarm blocks the
-/// publishing connection) is held before it goes back to its queue.
-const BLOCKED_HOLD: Duration = Duration::from_secs(1);
+/// A copy a delivery settles with.
+#[derive(Debug, Clone)]
+enum Copying {
+    DeadLetter {
+        error_kind: &'static str,
+        reason: String,
+    },
+    Retry(u32),
+    Requeue,
+}
+
+/// Publishes the copy `copying` of the delivery `receipt` stands for, then acks it.
+async fn copy(receipt: &Receipt, route: &Route, copying: &Copying) -> Result<bool, AmqpError> {
+    match copying {
+        Copying::DeadLetter { error_kind, reason } => {
+            receipt
+                .dead_letter(
+                    &route.copies,
+                    &route.pipeline,
+                    &route.queues,
+                    error_kind,
+                    reason,
+                )
+                .await
+        }
+        Copying::Retry(attempt) => {
+            receipt
+                .retry(&route.copies, &route.queues.queue, *attempt)
+                .await
+        }
+        Copying::Requeue => receipt.requeue(&route.copies, &route.queues.queue).await,
+    }
+}
+
+/// How often a parked delivery (see `Received::park`) looks whether the broker lets copies
+/// through again.
+const BLOCKED_LOOK: Duration = Duration::from_secs(1);
 
 impl Received {
-    /// While the broker blocks the publishing connection (a memory or disk alarm), a copy
-    /// would wait for the alarm's end, holding its worker. A classic queue's message goes
-    /// back instead (`nack`, after `BLOCKED_HOLD`, so it does not spin), and its worker takes
-    /// the next; a quorum queue's is held until the block ends (a `nack` would count against
-    /// its delivery limit), saying so. `None` when the copy may be published.
-    async fn while_blocked(&self) -> Option<bool> {
+    /// Publishes `copying`, then acks the original. While the broker blocks the publishing
+    /// connection (a memory or disk alarm), the delivery is parked instead (`park`): its worker
+    /// goes on with other messages.
+    async fn copied(&self, copying: Copying) -> bool {
         let route = &self.route;
-        let mut waited = Duration::ZERO;
-        while route.publisher.blocked() && !route.shutdown.is_cancelled() {
-            if route.queues.queue_type != QueueType::Quorum {
+        if route.copies.blocked() {
+            return self.park(copying);
+        }
+        let published = copy(&self.receipt, route, &copying).await;
+        if published.is_err() && route.copies.blocked() {
+            return self.park(copying);
+        }
+        self.moved_or_returned(published).await
+    }
+
+    /// Keeps the delivery unacked, off its worker, until the broker lets the copy through,
+    /// then publishes it and acks the original (a `nack` gives it back if that fails, or
+    /// when the host stops first). A `nack` now would bring a poison message straight back
+    /// (and count against a quorum queue's delivery limit); holding the worker would let a
+    /// few such messages stop the pipeline for the alarm's length. The prefetch bounds how
+    /// many are parked.
+    fn park(&self, copying: Copying) -> bool {
+        let receipt = self.receipt.clone();
+        let route = Arc::clone(&self.route);
+        tokio::spawn(async move {
+            let mut waited = Duration::ZERO;
+            while route.copies.blocked() && !route.shutdown.is_cancelled() {
+                if waited.as_secs().is_multiple_of(10) {
+                    tracing::warn!(queue = %route.queues.queue, waited_s = waited.as_secs(), "RabbitMQ blocks publishing (a memory or disk alarm): a message waits, unacked, to be copied.");
+                }
                 tokio::select! {
-                    () = tokio::time::sleep(BLOCKED_HOLD) => {}
+                    () = tokio::time::sleep(BLOCKED_LOOK) => {}
                     () = route.shutdown.cancelled() => {}
                 }
-                tracing::warn!(queue = %route.queues.queue, "RabbitMQ blocks publishing (a memory or disk alarm): the message goes back to its queue.");
-                return Some(self.receipt.nack_requeue().await);
+                waited += BLOCKED_LOOK;
             }
-            if waited.as_secs().is_multiple_of(10) {
-                tracing::warn!(queue = %route.queues.queue, waited_s = waited.as_secs(), "RabbitMQ blocks publishing (a memory or disk alarm): holding the message until it lets a copy through.");
+            let published = if route.shutdown.is_cancelled() {
+                Ok(receipt.nack_requeue().await)
+            } else {
+                copy(&receipt, &route, &copying).await
+            };
+            if let Err(error) = published {
+                tracing::warn!(%error, "Cannot move the message; returning it to its queue.");
+                receipt.nack_requeue().await;
             }
-            tokio::select! {
-                () = tokio::time::sleep(BLOCKED_HOLD) => {}
-                () = route.shutdown.cancelled() => {}
-            }
-            waited += BLOCKED_HOLD;
-        }
-        None
+        });
+        true
     }
 
     /// The copy's fate; when the copy could not be published, the original goes back with a
@@ -651,7 +678,7 @@ impl Receipt {
     /// Puts the message back at the end of `queue` as it came (same headers and attempt):
     /// publishes a copy, waits for the broker's confirm, then acks the original. Unlike a
     /// `nack`, this does not count as a delivery towards a quorum queue's delivery limit.
-    pub async fn requeue(&self, channel: &Channel, queue: &str) -> Result<bool, AmqpError> {
+    pub async fn requeue(&self, channel: &CopyChannel, queue: &str) -> Result<bool, AmqpError> {
         let headers = self.properties.headers().clone().unwrap_or_default();
         self.put_back(channel, queue, headers).await
     }
@@ -660,7 +687,7 @@ impl Receipt {
     /// broker's confirm, then acks the original.
     pub async fn dead_letter(
         &self,
-        channel: &Channel,
+        channel: &CopyChannel,
         pipeline: &str,
         queues: &RabbitMqConfig,
         error_kind: &str,
@@ -716,7 +743,7 @@ impl Receipt {
     /// the broker's confirm, then acks the original.
     pub async fn retry(
         &self,
-        channel: &Channel,
+        channel: &CopyChannel,
         queue: &str,
         attempt: u32,
     ) -> Result<bool, AmqpError> {
@@ -732,7 +759,7 @@ impl Receipt {
     /// the original.
     async fn put_back(
         &self,
-        channel: &Channel,
+        channel: &CopyChannel,
         queue: &str,
         headers: FieldTable,
     ) -> Result<bool, AmqpError> {
@@ -743,7 +770,7 @@ impl Receipt {
 
     async fn publish_copy(
         &self,
-        channel: &Channel,
+        channel: &CopyChannel,
         queue: &str,
         headers: FieldTable,
         copy: Copy,
@@ -757,15 +784,8 @@ impl Receipt {
         // belongs to the one publish awaiting its confirm, never to another worker's.
         // Bounded like the confirm: while a blocked broker holds one copy, the others give
         // their messages back instead of queueing behind it.
-        let Ok(_one_copy_at_a_time) =
-            tokio::time::timeout(publish::CONFIRM_WAIT, COPY_PUBLISH.lock()).await
-        else {
-            return Err(publish_error(format!(
-                "another copy waited {:?} for the broker's confirm",
-                publish::CONFIRM_WAIT
-            )));
-        };
-        publish::confirmed(channel, "", queue, &self.body, properties)
+        let _one_copy_at_a_time = one_copy_at_a_time(channel).await.map_err(publish_error)?;
+        publish::confirmed(&channel.channel, "", queue, &self.body, properties)
             .await
             .map_err(|unconfirmed| {
                 publish_error(match unconfirmed {
@@ -832,6 +852,40 @@ fn copy_properties(
         );
     }
     properties.with_headers(headers)
+}
+
+/// The turn to publish a copy: waited for at most `CONFIRM_WAIT`, and not at all while the
+/// broker blocks the publishing connection (the copy would wait for the alarm's end); the
+/// reason when there is none.
+async fn one_copy_at_a_time(
+    channel: &CopyChannel,
+) -> Result<tokio::sync::MutexGuard<'static, ()>, String> {
+    let blocked = || "RabbitMQ blocks publishing (a memory or disk alarm)".to_string();
+    if channel.blocked() {
+        return Err(blocked());
+    }
+    let turn = COPY_PUBLISH.lock();
+    tokio::pin!(turn);
+    let deadline = tokio::time::sleep(publish::CONFIRM_WAIT);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            guard = &mut turn => {
+                return if channel.blocked() { Err(blocked()) } else { Ok(guard) };
+            }
+            () = &mut deadline => {
+                return Err(format!(
+                    "another copy waited {:?} for the broker's confirm",
+                    publish::CONFIRM_WAIT
+                ));
+            }
+            () = tokio::time::sleep(Duration::from_millis(100)) => {
+                if channel.blocked() {
+                    return Err(blocked());
+                }
+            }
+        }
+    }
 }
 
 /// Serialises copies (dead letters, retries, replays), so each confirm is matched with its

@@ -31,6 +31,40 @@ pub enum Unconfirmed {
     TimedOut(Duration),
 }
 
+/// A channel copies of deliveries are published on, and whether the broker blocks its
+/// connection (a memory or disk alarm stops the broker reading from connections that
+/// publish).
+#[derive(Clone)]
+pub struct CopyChannel {
+    pub channel: Channel,
+    publisher: Option<lapin::ConnectionStatus>,
+}
+
+impl CopyChannel {
+    /// `channel` on the connection whose state `publisher` is.
+    pub fn watched(channel: Channel, publisher: lapin::ConnectionStatus) -> CopyChannel {
+        CopyChannel {
+            channel,
+            publisher: Some(publisher),
+        }
+    }
+
+    /// `channel`, its connection's blocks not watched (an operator's command).
+    pub fn unwatched(channel: Channel) -> CopyChannel {
+        CopyChannel {
+            channel,
+            publisher: None,
+        }
+    }
+
+    /// Whether the broker has said it blocks the connection.
+    pub fn blocked(&self) -> bool {
+        self.publisher
+            .as_ref()
+            .is_some_and(lapin::ConnectionStatus::blocked)
+    }
+}
+
 /// The longest wait for a broker's confirm. Past it the publish counts as failed (the
 /// caller keeps the message: a copy's original goes back to its queue, an outbox row is
 /// tried again), so a blocked broker holds a worker or a relay pass this long, not forever.
