@@ -251,17 +251,27 @@ impl Session {
     }
 
     /// Closes the connection; unacked deliveries return to their queue.
+    /// Bounded by `CLOSE_WAIT` each: a connection the broker dropped while it sat idle (the
+    /// publishing one, after a broker restart) may never answer its close, and the consume
+    /// loop reconnects only once this returns.
     pub async fn close(self) {
         for connection in [&self.connection, &self.publisher] {
-            if let Err(error) = connection
-                .close(200, ShortString::from("idem stopping"))
-                .await
-            {
-                tracing::debug!(%error, "Closing a RabbitMQ connection failed.");
+            let close = connection.close(200, ShortString::from("idem stopping"));
+            match tokio::time::timeout(CLOSE_WAIT, close).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, "Closing a RabbitMQ connection failed.");
+                }
+                Err(_) => {
+                    tracing::debug!("A RabbitMQ connection did not answer its close; dropped.");
+                }
             }
         }
     }
 }
+
+/// How long closing a connection waits for the broker's answer.
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
 
 impl Source for Session {
     type Config = RabbitMqConfig;
