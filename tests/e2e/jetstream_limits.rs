@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::stream;
 
 use idem_e2e::jetstream::TestStream;
@@ -34,42 +34,15 @@ async fn slow_ledger(env: &TestEnv, condition: &str, seconds: u32) {
     .expect("slow trigger");
 }
 
-/// The stream's consumer and dead-letter stream as an operator makes them, for
-/// `declare = false`: `max_deliver` and `ack_wait` are the operator's.
-async fn operator_consumer(stream: &TestStream, max_deliver: i64, ack_wait: Duration) {
-    stream
-        .context
-        .create_stream(stream::Config {
-            name: stream.dead_letter_stream.clone(),
-            subjects: vec![stream.dead_letter_subject.clone()],
-            ..stream::Config::default()
-        })
-        .await
-        .expect("the dead-letter stream");
-    stream
-        .context
-        .create_consumer_on_stream(
-            pull::Config {
-                durable_name: Some("idem-loyalty".into()),
-                filter_subject: stream.subject.clone(),
-                ack_policy: AckPolicy::Explicit,
-                ack_wait,
-                max_deliver,
-                ..pull::Config::default()
-            },
-            &stream.name,
-        )
-        .await
-        .expect("the operator's consumer");
-}
-
 /// An operator's consumer that allows no more deliveries than `max_attempts`: `idem run` and
 /// `idem check` refuse it, naming the setting, instead of running into abandoned messages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operators_consumer_with_too_few_deliveries_is_refused() {
     let env = TestEnv::new("js_operator_limit").await;
     let stream = TestStream::new(&env.queue).await;
-    operator_consumer(&stream, 3, Duration::from_secs(30)).await;
+    stream
+        .operator_consumer("idem-loyalty", 3, Duration::from_secs(30))
+        .await;
     let text = config_text(
         &env,
         &stream,
@@ -91,7 +64,9 @@ async fn an_operators_consumer_is_kept_in_progress_at_its_own_ack_wait() {
     let env = TestEnv::new("js_operator_ack_wait").await;
     slow_ledger(&env, "true", 3).await;
     let stream = TestStream::new(&env.queue).await;
-    operator_consumer(&stream, -1, Duration::from_secs(1)).await;
+    stream
+        .operator_consumer("idem-loyalty", -1, Duration::from_secs(1))
+        .await;
     let text = config_text(
         &env,
         &stream,

@@ -167,6 +167,34 @@ source = {{ kind = "jetstream", servers = ["{url}"], stream = "{stream}", subjec
     }
 
     /// Deletes the durable consumer `consumer` (as an operator might, under load).
+    /// The durable consumer `durable` (on the orders subject, explicit acks, `ack_wait`,
+    /// `max_deliver`) and the dead-letter stream, as an operator makes them for a pipeline
+    /// with `declare = false`.
+    pub async fn operator_consumer(&self, durable: &str, max_deliver: i64, ack_wait: Duration) {
+        self.context
+            .create_stream(stream::Config {
+                name: self.dead_letter_stream.clone(),
+                subjects: vec![self.dead_letter_subject.clone()],
+                ..stream::Config::default()
+            })
+            .await
+            .expect("the dead-letter stream");
+        self.context
+            .create_consumer_on_stream(
+                pull::Config {
+                    durable_name: Some(durable.into()),
+                    filter_subject: self.subject.clone(),
+                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                    ack_wait,
+                    max_deliver,
+                    ..pull::Config::default()
+                },
+                &self.name,
+            )
+            .await
+            .expect("the operator's consumer");
+    }
+
     pub async fn delete_consumer(&self, consumer: &str) {
         self.context
             .delete_consumer_from_stream(consumer, &self.name)

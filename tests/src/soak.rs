@@ -232,7 +232,9 @@ pub async fn run(profile: Profile) -> Report {
 
     // The natural pipeline's consumer is an operator's (`declare = false`), with a low
     // delivery limit: the host serves it by the server's `max_deliver` and `ack_wait`.
-    operator_consumer(&stream).await;
+    stream
+        .operator_consumer("idem-natural", NATURAL_MAX_DELIVER, Duration::from_secs(30))
+        .await;
 
     let directory = std::env::temp_dir().join(&env.database);
     std::fs::create_dir_all(&directory).expect("soak directory");
@@ -410,35 +412,6 @@ pub async fn run(profile: Profile) -> Report {
 
 /// The deliveries the natural pipeline's consumer allows: low, above its `max_attempts` (5).
 const NATURAL_MAX_DELIVER: i64 = 8;
-
-/// The natural pipeline's consumer and dead-letter stream as an operator makes them.
-async fn operator_consumer(stream: &TestStream) {
-    use async_nats::jetstream::consumer::{AckPolicy, pull};
-    stream
-        .context
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: stream.dead_letter_stream.clone(),
-            subjects: vec![stream.dead_letter_subject.clone()],
-            ..Default::default()
-        })
-        .await
-        .expect("the dead-letter stream");
-    stream
-        .context
-        .create_consumer_on_stream(
-            pull::Config {
-                durable_name: Some("idem-natural".into()),
-                filter_subject: stream.subject.clone(),
-                ack_policy: AckPolicy::Explicit,
-                ack_wait: Duration::from_secs(30),
-                max_deliver: NATURAL_MAX_DELIVER,
-                ..Default::default()
-            },
-            &stream.name,
-        )
-        .await
-        .expect("the operator's consumer");
-}
 
 /// Makes `role` (created, able to log in) the owner of `env`'s database and of every table
 /// in it, as an application's own role would be.

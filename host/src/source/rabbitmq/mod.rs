@@ -214,10 +214,7 @@ impl Session {
             .create_channel()
             .await
             .map_err(failed("open a channel for"))?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(failed("enable publisher confirms on"))?;
+        // Nothing is published on it (copies go on `Route::copies`): no confirm mode.
         channel
             .basic_qos(prefetch, BasicQosOptions::default())
             .await
