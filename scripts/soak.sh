@@ -3,8 +3,9 @@
 # pipeline (natural claims) and an outbox pipeline while a seeded scheduler injects faults
 # (host SIGKILL and SIGSTOP, PostgreSQL restart, pg_terminate_backend, pg_cancel_backend,
 # schema migrations, a RabbitMQ restart, hot swaps, console and `idem dlq` reads, dead-letter
-# replays); then a checker proves every key applied once, no good message dead-lettered,
-# nothing left unacked, every outbox row delivered. It prints the seed, the fault timeline and
+# replays, a host through a transaction pooler configured for none, the rolling schema move,
+# hostile producer headers); then a checker proves every key applied once, no good message
+# dead-lettered, nothing left unacked, every outbox row delivered. It prints the seed, the fault timeline and
 # the verdict; a failure is tried again with the same seed.
 #   scripts/soak.sh                         # the short profile, a random seed
 #   scripts/soak.sh --seed 42 --minutes 30  # a long run

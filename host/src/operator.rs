@@ -103,6 +103,13 @@ pub async fn follow_recorded_pauses(
 /// record that was cleared. A pause on this host only is left alone.
 async fn apply_recorded(pipelines: &[Arc<Pipeline>], databases: &Databases) {
     for (name, database) in databases.iter() {
+        // The switches first: an operator's pause or resume after this reading wins over
+        // the records read next.
+        let here: Vec<_> = pipelines
+            .iter()
+            .filter(|pipeline| pipeline.config.database.as_deref() == name)
+            .map(|pipeline| (pipeline, pipeline.read_operator_pause()))
+            .collect();
         let recorded: BTreeMap<String, Recorded> = match pauses::recorded(
             &database.pool,
             &database.tables,
@@ -115,24 +122,15 @@ async fn apply_recorded(pipelines: &[Arc<Pipeline>], databases: &Databases) {
                 continue;
             }
         };
-        let here = pipelines
-            .iter()
-            .filter(|pipeline| pipeline.config.database.as_deref() == name);
-        for pipeline in here {
-            let local = pipeline.operator_pause();
-            match recorded.get(&pipeline.config.consumer) {
-                Some(record) if !local.as_ref().is_some_and(|local| local.persistent) => {
-                    pipeline.pause_by_operator(OperatorPause {
-                        reason: record.reason.clone(),
-                        since: record.since,
-                        persistent: true,
-                    });
-                }
-                None if local.is_some_and(|local| local.persistent) => {
-                    pipeline.resume_by_operator();
-                }
-                _ => {}
-            }
+        for (pipeline, reading) in &here {
+            let record = recorded
+                .get(&pipeline.config.consumer)
+                .map(|record| OperatorPause {
+                    reason: record.reason.clone(),
+                    since: record.since,
+                    persistent: true,
+                });
+            pipeline.follow_record(*reading, record);
         }
     }
 }

@@ -170,6 +170,61 @@ async fn rejected_messages_land_on_the_dead_letter_subject_with_their_reasons() 
     env.cleanup().await;
 }
 
+/// Another pipeline's host, updating the shared dead-letter stream from a config it read
+/// before this host added its subject, drops that subject after this host started: the
+/// next dead letter finds no stream, so the host makes the stream capture its subject again
+/// and stores it (review finding 9), instead of giving the message back forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_subject_dropped_by_another_host_is_captured_again() {
+    let env = TestEnv::new("js_recapture").await;
+    let stream = TestStream::new(&env.queue).await;
+    let host = env.start_host(config(&env, &stream, "", ""));
+    stream.publish(&order(1, 7, 5_000), None).await;
+    wait_for("the first order", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 1
+    })
+    .await;
+    let mut dead_letters = stream
+        .context
+        .get_stream(&stream.dead_letter_stream)
+        .await
+        .expect("the dead-letter stream the host made");
+    let mut changed = dead_letters.info().await.expect("info").config.clone();
+    assert_eq!(changed.subjects, vec![stream.dead_letter_subject.clone()]);
+    changed.subjects = vec![format!("{}-other.rejected", stream.name)];
+    stream
+        .context
+        .update_stream(&changed)
+        .await
+        .expect("another host's update");
+
+    stream.publish(b"not json", Some("bad-1")).await;
+    stream.publish(&order(2, 7, 1_000), None).await;
+    wait_for(
+        "the dead letter stored",
+        Duration::from_secs(60),
+        || async { stream.dead_letters().await.len() == 1 },
+    )
+    .await;
+    wait_drained(&stream).await;
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, 2);
+    let subjects = dead_letters
+        .info()
+        .await
+        .expect("info")
+        .config
+        .subjects
+        .clone();
+    assert!(
+        subjects.contains(&stream.dead_letter_subject)
+            && subjects.contains(&format!("{}-other.rejected", stream.name)),
+        "{subjects:?}"
+    );
+    stream.cleanup().await;
+    env.cleanup().await;
+}
+
 /// A plugin failure marked retryable comes back after the retry delay (a negative ack with a
 /// delay: the server counts the deliveries) and is dead-lettered after `max_attempts`; a trap
 /// is dead-lettered at once; orders beside them are credited.

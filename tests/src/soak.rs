@@ -84,9 +84,13 @@ enum Fault {
     /// run while the hosts work, under a role named like the schema, then the hosts restarted
     /// one by one with the new config.
     SchemaMove,
+    /// A third host through a PgBouncer in transaction pooling while its config says
+    /// `pooling = "none"` (the default): it must refuse its transactions, naming the setting,
+    /// and lose or double nothing.
+    WrongPooler,
 }
 
-const CATALOGUE: [(Fault, u32); 12] = [
+const CATALOGUE: [(Fault, u32); 13] = [
     (Fault::KillHost, 3),
     (Fault::PauseHost, 2),
     (Fault::TerminateBackends, 3),
@@ -99,6 +103,7 @@ const CATALOGUE: [(Fault, u32); 12] = [
     (Fault::DeadLetterRead, 2),
     (Fault::DeadLetterReplay, 1),
     (Fault::SchemaMove, 1),
+    (Fault::WrongPooler, 1),
 ];
 
 /// Schema changes a DBA makes under load; each runs once, in this order. Every generated
@@ -815,6 +820,7 @@ async fn inject(
             )
         }
         Fault::SchemaMove => move_schema(hosts).await,
+        Fault::WrongPooler => wrong_pooler(&hosts[target], amount).await,
         Fault::HotSwap => {
             hosts[target].signal("-HUP");
             format!("hot swap (SIGHUP) on host {target}")
@@ -901,6 +907,55 @@ async fn move_schema(hosts: &mut [HostSlot]) -> String {
         host.start();
     }
     format!("schema move: {said}; hosts restarted on the moved config (clean stops {clean})")
+}
+
+/// A host like `like`'s, through a PgBouncer in transaction pooling but configured for
+/// none, run for `3 × amount` ms, then stopped.
+async fn wrong_pooler(like: &HostSlot, amount: u64) -> String {
+    let text = std::fs::read_to_string(&like.config).expect("a host's config");
+    let database = text
+        .lines()
+        .find_map(|line| line.strip_prefix("url = \"postgres://"))
+        .and_then(|rest| rest.split_once('/'))
+        .and_then(|(_, rest)| rest.split(['?', '"']).next())
+        .expect("the database URL")
+        .to_string();
+    let pooler =
+        crate::pgbouncer::PgBouncer::start(&format!("{database}-pooler"), "transaction", 4);
+    let text = text
+        .lines()
+        .map(|line| {
+            if line.starts_with("url = \"postgres://") {
+                format!("url = \"{}\"", pooler.url(&database))
+            } else if line.starts_with("listen = ") {
+                format!("listen = \"127.0.0.1:{}\"", free_port())
+            } else {
+                line.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let directory = like.log.parent().expect("the soak directory");
+    let config = directory.join("pooled.toml");
+    std::fs::write(&config, text).expect("write config");
+    let mut host = HostSlot {
+        config: config.clone(),
+        moved_config: config,
+        http_port: 0,
+        process: None,
+        log: directory.join("pooled.log"),
+    };
+    host.start();
+    tokio::time::sleep(Duration::from_millis(3 * amount)).await;
+    let clean = host.stop();
+    let log = std::fs::read_to_string(&host.log).unwrap_or_default();
+    let named = ["pooling = \\\"transaction\\\"", "pooling = \"transaction\""]
+        .iter()
+        .any(|hint| log.contains(hint));
+    format!(
+        "a host through a transaction pooler configured for none, for {} ms: the setting named {named}, clean stop {clean}",
+        3 * amount
+    )
 }
 
 /// `sql`'s one number, or `None` while the database is away.

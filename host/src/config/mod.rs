@@ -19,6 +19,7 @@ mod pipeline;
 mod plugin_pool;
 mod schema;
 mod source;
+mod statements;
 mod text;
 mod tls;
 mod traces;

@@ -15,6 +15,7 @@ use super::database::DatabaseConfig;
 use super::outbox::OutboxConfig;
 use super::source::rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqKeys};
 use super::source::{self, RawSource, SourceConfig};
+use super::statements;
 use super::text::{
     Document, Table, duration, duration_option, duration_schema, interpolated_option,
     interpolated_path, interpolated_spanned_option,
@@ -409,6 +410,15 @@ impl RawPipeline {
                     Some(sql.span()),
                     &format!("statements.{statement_name}"),
                     "statement is empty",
+                ));
+            }
+            if let Some(change) = statements::session_change(sql.get_ref()) {
+                return Err(table.at(
+                    Some(sql.span()),
+                    &format!("statements.{statement_name}"),
+                    format!(
+                        "changes the session, not only its transaction: {change}; idem's sessions serve the next messages too (use SET LOCAL or set_config(…, true))"
+                    ),
                 ));
             }
         }

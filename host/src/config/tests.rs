@@ -623,3 +623,27 @@ fn a_pipeline_may_name_another_database() {
         &["databases.billing.schema", "not a schema name"],
     );
 }
+
+/// A statement that would change idem's pooled session beyond its transaction is refused,
+/// naming the statement, its line and the change (review finding 10).
+#[test]
+fn a_statement_that_changes_the_session_is_refused() {
+    check_error(
+        &(VALID.to_string() + "tenant = \"SELECT set_config('search_path', $1, false)\"\n"),
+        &[
+            "line 14",
+            "pipelines.loyalty.statements.tenant",
+            "changes the session",
+            "set_config(…, true)",
+        ],
+    );
+    check_error(
+        &(VALID.to_string() + "role = \"SET ROLE app\"\n"),
+        &["pipelines.loyalty.statements.role", "SET without LOCAL"],
+    );
+    Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &(VALID.to_string() + "role = \"SET LOCAL ROLE app\"\n"),
+    )
+    .expect("a transaction's own role");
+}

@@ -24,6 +24,12 @@ use crate::store::tables::Tables;
 const RETENTION_LOCK_SQL: &str =
     "SELECT pg_try_advisory_xact_lock(hashtextextended('idem-retention ' || {schema}, 0))";
 
+/// The same, for tables in the search path's first schema, where hosts older than
+/// `[database] schema` clean too, under a constant key: both keys, so that in a rolling
+/// upgrade an old and a new host never clean (or create and drop partitions) at once.
+const UNQUALIFIED_RETENTION_LOCK_SQL: &str = "SELECT pg_try_advisory_xact_lock(x'1de3000000000001'::int8) \
+     AND pg_try_advisory_xact_lock(hashtextextended('idem-retention ' || {schema}, 0))";
+
 /// One batch: at most `$3` claims of consumer `$1` older than `$2` seconds.
 const DELETE_BATCH_SQL: &str = "DELETE FROM {claims} \
      WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) \
@@ -165,7 +171,11 @@ pub async fn clean_all(
     // idle limit does not apply to it (keepalives still end it if this host vanishes).
     let mut lock =
         bookkeeping::begin(pool, "SET LOCAL idle_in_transaction_session_timeout = 0").await?;
-    let locked: bool = bookkeeping::query_scalar(&tables.sql(RETENTION_LOCK_SQL))
+    let lock_sql = match tables.schema() {
+        Some(_) => RETENTION_LOCK_SQL,
+        None => UNQUALIFIED_RETENTION_LOCK_SQL,
+    };
+    let locked: bool = bookkeeping::query_scalar(&tables.sql(lock_sql))
         .fetch_one(&mut *lock)
         .await?;
     if !locked {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
-use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind};
+use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind, PublishErrorKind};
 use async_nats::jetstream::stream::{ConsumerErrorKind, RawMessageErrorKind};
 use async_nats::jetstream::{self, AckKind, ErrorCode, stream};
 use async_nats::{ConnectErrorKind, ConnectOptions, HeaderMap};
@@ -529,6 +529,24 @@ async fn ensure_dead_letter_stream(
         name: source.dead_letter_subject.clone(),
         reason: format!("{name:?} kept changing under concurrent updates"),
     })
+}
+
+/// A dead letter found no stream: another pipeline's host, updating the shared dead-letter
+/// stream from an earlier reading of it, may have dropped this pipeline's subject after this
+/// host checked it. Makes the stream capture the subject again (with `declare`); returns
+/// whether it now does.
+async fn recapture_dead_letters(route: &Route) -> bool {
+    let source = &route.source;
+    if !source.declare {
+        return false;
+    }
+    match ensure_dead_letter_stream(&route.context, source).await {
+        Ok(()) => true,
+        Err(error) => {
+            warn!(pipeline = %route.pipeline, %error, subject = %source.dead_letter_subject, "No stream captures the dead-letter subject, and it cannot be made to.");
+            false
+        }
+    }
 }
 
 /// The durable pull consumer `source` describes.
@@ -1117,6 +1135,7 @@ impl Delivery for Received {
             .as_str(),
         );
         let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
+        let mut recaptured = false;
         loop {
             let stored = async {
                 route
@@ -1133,6 +1152,12 @@ impl Delivery for Received {
                 Ok(_) => return self.settle(AckKind::Term).await,
                 Err(error) => error,
             };
+            if error.kind() == PublishErrorKind::StreamNotFound && !recaptured {
+                recaptured = true;
+                if recapture_dead_letters(route).await {
+                    continue;
+                }
+            }
             let Some(last) = self.last_delivery() else {
                 warn!(pipeline = %route.pipeline, %error, subject = %route.source.dead_letter_subject, "Cannot store the dead letter; the message goes back to its stream.");
                 return self

@@ -20,6 +20,11 @@ use crate::store::database::Database;
 use crate::store::session::SessionPool;
 use crate::store::statement::{StatementCatalog, StatementErrors};
 
+mod pause;
+
+pub use pause::OperatorPause;
+use pause::{Followed, OperatorSwitch, Reading};
+
 /// Everything a worker needs to handle a message of this pipeline.
 pub struct Pipeline {
     pub config: PipelineConfig,
@@ -53,18 +58,7 @@ pub struct Pipeline {
     probing: AtomicBool,
     /// `Some` while an operator has paused the pipeline: it consumes nothing (its connection
     /// closed, what it had prefetched back on the queue) until resumed.
-    operator_pause: tokio::sync::watch::Sender<Option<OperatorPause>>,
-}
-
-/// An operator's pause of a pipeline (`POST /admin/pipelines/{name}/pause`, `idem pause`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OperatorPause {
-    /// What the operator said, or that nothing was said.
-    pub reason: String,
-    pub since: SystemTime,
-    /// Recorded in the database (`idem_consumers.paused_at`): every host of the pipeline's
-    /// consumer honours it, across restarts, until a resume clears it.
-    pub persistent: bool,
+    operator_pause: OperatorSwitch,
 }
 
 /// Why a pipeline is paused: the statement that failed for a configuration reason.
@@ -186,7 +180,7 @@ impl Pipeline {
             batch_applier: tokio::sync::Mutex::new(()),
             paused: tokio::sync::watch::Sender::new(None),
             probing: AtomicBool::new(false),
-            operator_pause: tokio::sync::watch::Sender::new(None),
+            operator_pause: OperatorSwitch::default(),
         })
     }
 
@@ -265,11 +259,44 @@ impl Pipeline {
     /// An operator pauses the pipeline: it stops consuming once the messages it started are
     /// settled. Returns whether it was running.
     pub fn pause_by_operator(&self, pause: OperatorPause) -> bool {
-        let mut newly = false;
-        self.operator_pause.send_modify(|current| {
-            newly = current.is_none();
-            *current = Some(pause.clone());
-        });
+        let newly = self.operator_pause.pause(pause.clone());
+        self.operator_paused_says(&pause, newly);
+        newly
+    }
+
+    /// An operator resumes the pipeline; the pause it ends, if there was one.
+    pub fn resume_by_operator(&self) -> Option<OperatorPause> {
+        let ended = self.operator_pause.resume();
+        if ended.is_some() {
+            self.operator_resumed_says();
+        }
+        ended
+    }
+
+    /// The operator's pause, if the pipeline is paused by one.
+    pub fn operator_pause(&self) -> Option<OperatorPause> {
+        self.operator_pause.current()
+    }
+
+    /// Reads the operator's pause before the recorded pauses are read (`follow_record`).
+    pub(crate) fn read_operator_pause(&self) -> Reading {
+        self.operator_pause.read()
+    }
+
+    /// Follows this pipeline's recorded pause (`None`: no record), read after `reading`:
+    /// pauses or resumes it, unless an operator did either since.
+    pub(crate) fn follow_record(&self, reading: Reading, record: Option<OperatorPause>) {
+        let pause = record.clone();
+        match self.operator_pause.follow_record(reading, record) {
+            Followed::Paused => {
+                self.operator_paused_says(&pause.expect("recorded"), true);
+            }
+            Followed::Resumed(_) => self.operator_resumed_says(),
+            Followed::Nothing => {}
+        }
+    }
+
+    fn operator_paused_says(&self, pause: &OperatorPause, newly: bool) {
         self.metrics.pipeline_operator_paused(self.name(), true);
         if newly {
             warn!(
@@ -279,38 +306,21 @@ impl Pipeline {
                 "Pipeline paused by an operator: it consumes nothing until resumed."
             );
         }
-        newly
     }
 
-    /// An operator resumes the pipeline; the pause it ends, if there was one.
-    pub fn resume_by_operator(&self) -> Option<OperatorPause> {
-        let mut ended = None;
-        self.operator_pause.send_if_modified(|current| {
-            ended = current.take();
-            ended.is_some()
-        });
-        if ended.is_some() {
-            self.metrics.pipeline_operator_paused(self.name(), false);
-            info!(pipeline = %self.name(), "Pipeline resumed by an operator.");
-        }
-        ended
-    }
-
-    /// The operator's pause, if the pipeline is paused by one.
-    pub fn operator_pause(&self) -> Option<OperatorPause> {
-        self.operator_pause.borrow().clone()
+    fn operator_resumed_says(&self) {
+        self.metrics.pipeline_operator_paused(self.name(), false);
+        info!(pipeline = %self.name(), "Pipeline resumed by an operator.");
     }
 
     /// Returns once an operator pauses the pipeline.
     pub(crate) async fn operator_paused(&self) {
-        let mut receiver = self.operator_pause.subscribe();
-        let _ = receiver.wait_for(Option::is_some).await;
+        self.operator_pause.paused().await;
     }
 
     /// Returns once no operator's pause holds the pipeline.
     pub(crate) async fn operator_resumed(&self) {
-        let mut receiver = self.operator_pause.subscribe();
-        let _ = receiver.wait_for(Option::is_none).await;
+        self.operator_pause.resumed().await;
     }
 }
 
