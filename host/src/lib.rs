@@ -10,10 +10,12 @@
 //! - [`source`]: where messages come from and how each is settled: the [`source::Source`]
 //!   interface and its implementations for RabbitMQ ([`source::rabbitmq`]) and NATS JetStream
 //!   ([`source::jetstream`]).
-//! - [`consumer`]: per pipeline, the consume loop over a source: batches, bounded workers,
-//!   settling after the transaction.
-//! - [`process`]: one message (or batch) start to finish; the only place that picks a
-//!   disposition.
+//! - [`pipeline`]: a pipeline at run time: its parts put together (plugin, statements,
+//!   sessions, both pauses), the consume loop over its source ([`pipeline::consume`]:
+//!   batches, bounded workers, settling after the transaction), one message or batch start
+//!   to finish ([`pipeline::process`], the only place that picks a disposition), the
+//!   adaptive batch size, and hot swap of its plugin ([`pipeline::reload`]: file watch,
+//!   SIGHUP, admin call).
 //! - [`sandbox`]: the plugin runtime: wasmtime components, a sandbox per message, deadline and
 //!   memory limits, the compile cache.
 //! - [`store`]: PostgreSQL: the transaction ([`store::ledger`]), named statements, sessions,
@@ -24,18 +26,15 @@
 //!   `/readyz`, `/admin/…`), the counters every layer records into, and the gauges sampled
 //!   from the sources and databases on an interval; [`traces`]: a span per message, parented
 //!   by the producer's trace context and handed on to the outbox, exported over OTLP.
-//! - [`pipeline`]: a pipeline's parts put together (plugin, statements, sessions, pause);
-//!   [`reload`]: hot swap of its plugin (file watch, SIGHUP, admin call); [`operator`]: an
-//!   operator's pause and resume, on one host or recorded for all.
+//! - [`operator`]: an operator's pause and resume, on one host or recorded for all, and the
+//!   dead-letter archive.
 //! - [`cases`]: plugin test cases (`idem test`) and the JSON form of an outcome (`idem try`).
 //! - [`effect`], [`message`]: the data passed between them.
 //! - [`backoff`], [`failpoint`], [`tls`]: retry timing, crash points for tests, TLS verdicts.
 
 pub mod backoff;
-pub mod batch_size;
 pub mod cases;
 pub mod config;
-pub mod consumer;
 pub mod effect;
 pub mod failpoint;
 pub mod http;
@@ -43,9 +42,7 @@ pub mod message;
 pub mod metrics;
 pub mod operator;
 pub mod pipeline;
-pub mod process;
 pub mod relay;
-pub mod reload;
 pub mod sampler;
 pub mod sandbox;
 pub mod source;
@@ -184,8 +181,8 @@ async fn serve(
     };
     // Before anything is consumed: a pipeline paused for every host stays paused here.
     operator::follow_recorded_pauses(pipelines.clone(), databases.clone(), token.clone()).await;
-    reload::spawn_watcher(pipelines.clone(), token.clone());
-    reload::spawn_sighup_listener(pipelines.clone(), token.clone());
+    pipeline::reload::spawn_watcher(pipelines.clone(), token.clone());
+    pipeline::reload::spawn_sighup_listener(pipelines.clone(), token.clone());
     for (name, database) in databases.iter() {
         retention::spawn_cleaner(
             &config.pipelines_in(name),
@@ -210,7 +207,7 @@ async fn serve(
 async fn consume(pipelines: &[Arc<Pipeline>], token: &CancellationToken) -> Option<SourceError> {
     let mut consumers = JoinSet::new();
     for pipeline in pipelines {
-        consumers.spawn(consumer::consume_pipeline(
+        consumers.spawn(pipeline::consume::consume_pipeline(
             Arc::clone(pipeline),
             token.clone(),
         ));

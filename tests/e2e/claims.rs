@@ -14,7 +14,7 @@ use idem_host::config::Config;
 use idem_host::message::InboundMessage;
 use idem_host::metrics::Metrics;
 use idem_host::pipeline::Pipeline;
-use idem_host::process::{Disposition, Settled, handle_delivery};
+use idem_host::pipeline::process::{Disposition, Settled, handle_delivery};
 use idem_host::sandbox::PluginRuntime;
 
 /// The guide's natural-key form: the ledger row is the claim. The credit is an upsert fed by

@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use idem_e2e::{TestEnv, order};
 use idem_host::message::InboundMessage;
 use idem_host::pipeline::Pipeline;
-use idem_host::process::{Disposition, Settled, handle_delivery};
+use idem_host::pipeline::process::{Disposition, Settled, handle_delivery};
 
 async fn loyalty_pipeline(env: &TestEnv) -> Pipeline {
     env.pipeline("loyalty", "").await

@@ -86,44 +86,34 @@ async fn retention_deletes_exactly_the_claims_outside_the_window() {
             .contains(r#"idem_claims_deleted_total{pipeline="loyalty"} 5000"#)
     );
 
-    // A second host cannot clean while one holds the lock.
-    let mut holder = env.pool.acquire().await.expect("connection");
-    sqlx::query(
+    // A second host cannot clean while one holds the lock; nor while an older host (before
+    // tables in a schema of their own) holds its constant key: in a rolling upgrade, the two
+    // never clean at once.
+    for lock in [
         "SELECT pg_advisory_lock(hashtextextended('idem-retention ' || current_schema(), 0))",
-    )
-    .execute(&mut *holder)
-    .await
-    .expect("take the cleaning lock");
-    let busy = retention::clean_all(
-        &env.pool,
-        &Tables::default(),
-        &[],
-        None,
-        &CancellationToken::new(),
-    )
-    .await
-    .expect("cleanup runs");
-    assert_eq!(busy, Pass::Busy);
-    drop(holder);
-
-    // An older host (before tables in a schema of their own) cleans the same tables under a
-    // constant key: in a rolling upgrade, the two never clean at once.
-    let mut older = env.pool.acquire().await.expect("connection");
-    sqlx::query("SELECT pg_advisory_lock(x'1de3000000000001'::int8)")
-        .execute(&mut *older)
+        "SELECT pg_advisory_lock(x'1de3000000000001'::int8)",
+    ] {
+        let mut holder = env.pool.acquire().await.expect("connection");
+        sqlx::query(lock)
+            .execute(&mut *holder)
+            .await
+            .expect("take a cleaning lock");
+        let busy = retention::clean_all(
+            &env.pool,
+            &Tables::default(),
+            &[],
+            None,
+            &CancellationToken::new(),
+        )
         .await
-        .expect("take the older hosts' cleaning lock");
-    let busy = retention::clean_all(
-        &env.pool,
-        &Tables::default(),
-        &[],
-        None,
-        &CancellationToken::new(),
-    )
-    .await
-    .expect("cleanup runs");
-    assert_eq!(busy, Pass::Busy, "an older host is cleaning these tables");
-    drop(older);
+        .expect("cleanup runs");
+        assert_eq!(busy, Pass::Busy, "{lock}");
+        // A pooled connection keeps a session's locks: release it before the next.
+        sqlx::query("SELECT pg_advisory_unlock_all()")
+            .execute(&mut *holder)
+            .await
+            .expect("release the cleaning lock");
+    }
     env.cleanup().await;
 }
 
@@ -326,7 +316,7 @@ async fn try_and_check_report_clearly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partition_mode_drops_old_days_and_still_deduplicates() {
     use idem_host::message::InboundMessage;
-    use idem_host::process::{Disposition, Settled, handle_delivery};
+    use idem_host::pipeline::process::{Disposition, Settled, handle_delivery};
     use idem_host::store::partition;
 
     let env = TestEnv::new("partition").await;

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use idem_e2e::{TestEnv, order, plugin_path, unacked, wait_for};
 use idem_host::message::InboundMessage;
 use idem_host::pipeline::Pipeline;
-use idem_host::process::{Disposition, Settled, handle_delivery};
+use idem_host::pipeline::process::{Disposition, Settled, handle_delivery};
 
 const ORDERS: i64 = 3000;
 

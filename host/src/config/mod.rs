@@ -23,14 +23,12 @@ mod statements;
 mod text;
 mod tls;
 mod traces;
+mod transaction;
 
 pub use database::{DatabaseConfig, DatabaseTls, Hosts, Pooling, SYSTEM_ROOTS, SslMode};
 pub use http::HttpConfig;
 pub use outbox::{Destination, OutboxConfig};
-pub use pipeline::{
-    BatchConfig, ClaimMode, Isolation, OnTimeout, PipelineConfig, PluginLimits, RetentionConfig,
-    TransactionConfig,
-};
+pub use pipeline::{BatchConfig, ClaimMode, PipelineConfig, PluginLimits, RetentionConfig};
 pub use plugin_pool::PluginPoolConfig;
 pub use schema::json_schema;
 pub use source::SourceConfig;
@@ -39,6 +37,7 @@ pub use source::rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqConfig}
 pub use text::{parse_duration, redact_url};
 pub use tls::ClientTls;
 pub use traces::{OtlpProtocol, TracesConfig};
+pub use transaction::{Isolation, OnTimeout, TransactionConfig};
 
 use outbox::RawOutbox;
 use pipeline::RawPipeline;

@@ -5,8 +5,46 @@
 //! it as another role, and `SET default_transaction_read_only = off` would lift the guard
 //! that keeps a lost `BEGIN` from committing anything.
 
+use std::collections::BTreeMap;
+
+use toml::Spanned;
+
+use super::ConfigError;
+use super::text::Table;
+
+/// Checks a pipeline's `statements` table: at least one, none empty, none changing the
+/// session.
+pub(super) fn check(
+    statements: &Spanned<BTreeMap<String, Spanned<String>>>,
+    table: &Table,
+) -> Result<(), ConfigError> {
+    if statements.get_ref().is_empty() {
+        return Err(table.at(
+            Some(statements.span()),
+            "statements",
+            "a pipeline needs at least one named statement",
+        ));
+    }
+    for (name, sql) in statements.get_ref() {
+        let key = format!("statements.{name}");
+        if sql.get_ref().trim().is_empty() {
+            return Err(table.at(Some(sql.span()), &key, "statement is empty"));
+        }
+        if let Some(change) = session_change(sql.get_ref()) {
+            return Err(table.at(
+                Some(sql.span()),
+                &key,
+                format!(
+                    "changes the session, not only its transaction: {change}; idem's sessions serve the next messages too (use SET LOCAL or set_config(…, true))"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Why `sql` would change the session beyond its transaction, if it would.
-pub(super) fn session_change(sql: &str) -> Option<String> {
+fn session_change(sql: &str) -> Option<String> {
     let code = code_only(sql);
     let words: Vec<&str> = code.split_whitespace().take(3).collect();
     let first = words.first().map(|word| word.to_ascii_lowercase());

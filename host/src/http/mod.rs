@@ -37,7 +37,7 @@ use crate::config::HttpConfig;
 use crate::metrics::Metrics;
 use crate::operator;
 use crate::pipeline::Pipeline;
-use crate::reload::{self, Reloaded};
+use crate::pipeline::reload::{self, Reloaded};
 use crate::sampler;
 use crate::store::database::Databases;
 

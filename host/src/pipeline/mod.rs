@@ -1,5 +1,6 @@
 //! One pipeline at run time: its config, plugin, statements, sessions and pause state, built and
-//! checked at start. The consume loop that feeds it deliveries is `consumer`.
+//! checked at start. The consume loop that feeds it deliveries is `consume`; each delivery is
+//! handled by `process`, its tries by `retries`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,7 +21,13 @@ use crate::store::database::Database;
 use crate::store::session::SessionPool;
 use crate::store::statement::{StatementCatalog, StatementErrors};
 
+pub mod batch_size;
+pub mod consume;
+mod disposition;
 mod pause;
+pub mod process;
+pub mod reload;
+mod retries;
 
 pub use pause::OperatorPause;
 use pause::{Followed, OperatorSwitch, Reading};

@@ -1,7 +1,7 @@
 //! Where a pipeline's messages come from, and how each delivery is settled.
 //!
-//! A [`Source`] consumes one pipeline's queue; [`consumer`](crate::consumer) drives it,
-//! [`process`](crate::process) decides each delivery's fate, and the delivery carries that fate
+//! A [`Source`] consumes one pipeline's queue; [`consumer`](crate::pipeline::consume) drives it,
+//! [`process`](crate::pipeline::process) decides each delivery's fate, and the delivery carries that fate
 //! out with its broker ([`Delivery`]). Neither `consumer` nor `process` names a broker.
 //!
 //! Architecture invariant: a delivery is acknowledged only when `process` says so, after the

@@ -11,14 +11,14 @@ use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::stream::RawMessageErrorKind;
 use async_nats::jetstream::{self, stream};
 
-use super::{
-    JetStreamError, KIND, REPLAY_ID_PREFIX, connect, copied_headers, find_stream, header_pairs,
-    request_error,
-};
 use crate::config::{JetStreamConfig, PipelineConfig, subject_matches};
 use crate::message::InboundMessage;
 use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection};
 use crate::source::headers;
+
+use super::received::{REPLAY_ID_PREFIX, copied_headers};
+use super::topology::find_stream;
+use super::{JetStreamError, KIND, connect, header_pairs, request_error};
 
 /// Goes once through the dead letters on `source`'s dead-letter subject that were stored when
 /// the pass began, oldest first, calls `seen` with each selected one and replays it if

@@ -18,12 +18,16 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use sha2::{Digest, Sha256};
 use tracing::warn;
 
-use super::publish::CopyChannel;
-use super::{AmqpError, Copy, Receipt, connect_channel, inbound_message, topology};
 use crate::config::{PipelineConfig, QueueType, RabbitMqConfig};
 use crate::message::InboundMessage;
 use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection};
 use crate::source::headers;
+
+use super::publish::CopyChannel;
+use super::publish::CopyFor;
+use super::received::DELIVERY_COUNT_HEADER;
+use super::received::inbound_message;
+use super::{AmqpError, Receipt, connect_channel, topology};
 
 /// The bodies one pass over a classic queue holds (unacked, to give back in order) at most.
 pub const SCAN_BYTES: usize = 64 << 20;
@@ -168,7 +172,7 @@ async fn replay(
 ) -> Result<(), AmqpError> {
     let headers = replay_headers(receipt, letter.replays + 1);
     receipt
-        .publish_copy(channel, &queues.queue, headers, Copy::Requeue)
+        .publish_copy(channel, &queues.queue, headers, CopyFor::Requeue)
         .await?;
     if !receipt.ack().await {
         return Err(AmqpError::Publish {
@@ -209,7 +213,7 @@ fn replay_headers(receipt: &Receipt, replays: u64) -> FieldTable {
 fn digest(message: &InboundMessage) -> String {
     let mut hasher = Sha256::new();
     for (name, value) in &message.headers {
-        if name == super::DELIVERY_COUNT_HEADER {
+        if name == DELIVERY_COUNT_HEADER {
             continue;
         }
         hasher.update(name.as_bytes());

@@ -1,12 +1,17 @@
 //! The one way idem publishes to RabbitMQ: persistent, `mandatory`, on a channel in confirm
 //! mode, and done only when the broker confirmed it. Copies of deliveries (retries, dead
-//! letters, replays) and the outbox relay's messages all go through [`confirmed`].
+//! letters, replays) and the outbox relay's messages all go through [`confirmed`]; copies
+//! keep the properties their purpose allows (`copy_properties`) and go one at a time.
 
 use std::time::Duration;
 
 use lapin::options::BasicPublishOptions;
-use lapin::types::ShortString;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation};
+
+use crate::source::headers;
+
+use super::PERSISTENT;
 
 /// Why a publish was not confirmed.
 #[derive(Debug, thiserror::Error)]
@@ -125,3 +130,97 @@ async fn publish_and_confirm(
         Confirmation::NotRequested => Err(Unconfirmed::NotConfirmed),
     }
 }
+
+/// What a copy is for, which decides the properties it keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CopyFor {
+    /// Back to the pipeline's queue (a retry, a requeue, a replay).
+    Requeue,
+    /// To the dead-letter queue, where it must wait for an operator.
+    DeadLetter,
+}
+
+/// The properties of a copy of a delivery: the original's, persistent, with `headers`; without
+/// `user-id` (the broker refuses a publish whose user-id is not the publishing user, and idem
+/// is not the producer), and for a dead letter without `expiration` (it must not expire out
+/// of the dead-letter queue). The dropped values are kept in `x-idem-…` headers.
+pub(super) fn copy_properties(
+    original: &BasicProperties,
+    mut headers: FieldTable,
+    copy: CopyFor,
+) -> BasicProperties {
+    let keep_expiration = copy == CopyFor::Requeue;
+    let mut properties = BasicProperties::default().with_delivery_mode(PERSISTENT);
+    macro_rules! keep {
+        ($getter:ident, $setter:ident) => {
+            if let Some(value) = original.$getter() {
+                properties = properties.$setter(value.clone());
+            }
+        };
+    }
+    keep!(content_type, with_content_type);
+    keep!(content_encoding, with_content_encoding);
+    keep!(priority, with_priority);
+    keep!(correlation_id, with_correlation_id);
+    keep!(reply_to, with_reply_to);
+    keep!(message_id, with_message_id);
+    keep!(timestamp, with_timestamp);
+    keep!(kind, with_type);
+    keep!(app_id, with_app_id);
+    keep!(cluster_id, with_cluster_id);
+    if let Some(expiration) = original.expiration() {
+        if keep_expiration {
+            properties = properties.with_expiration(expiration.clone());
+        } else {
+            headers.insert(
+                ShortString::from(headers::EXPIRATION),
+                AMQPValue::LongString(LongString::from(expiration.as_str())),
+            );
+        }
+    }
+    if let Some(user_id) = original.user_id() {
+        headers.insert(
+            ShortString::from(headers::USER_ID),
+            AMQPValue::LongString(LongString::from(user_id.as_str())),
+        );
+    }
+    properties.with_headers(headers)
+}
+
+/// The turn to publish a copy: waited for at most `CONFIRM_WAIT`, and not at all while the
+/// broker blocks the publishing connection (the copy would wait for the alarm's end); the
+/// reason when there is none.
+pub(super) async fn one_copy_at_a_time(
+    channel: &CopyChannel,
+) -> Result<tokio::sync::MutexGuard<'static, ()>, String> {
+    let blocked = || "RabbitMQ blocks publishing (a memory or disk alarm)".to_string();
+    if channel.blocked() {
+        return Err(blocked());
+    }
+    let turn = COPY_PUBLISH.lock();
+    tokio::pin!(turn);
+    let deadline = tokio::time::sleep(CONFIRM_WAIT);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            guard = &mut turn => {
+                return if channel.blocked() { Err(blocked()) } else { Ok(guard) };
+            }
+            () = &mut deadline => {
+                return Err(format!(
+                    "another copy waited {:?} for the broker's confirm",
+                    CONFIRM_WAIT
+                ));
+            }
+            () = tokio::time::sleep(Duration::from_millis(100)) => {
+                if channel.blocked() {
+                    return Err(blocked());
+                }
+            }
+        }
+    }
+}
+
+/// Serialises copies (dead letters, retries, replays), so each confirm is matched with its
+/// own returned message. Copies are rare next to acks; the wait costs nothing measurable.
+pub(super) static COPY_PUBLISH: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

@@ -13,14 +13,17 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use tokio_postgres::NoTls;
+use tokio_postgres::{Client, NoTls};
 
-use super::tests::admin_url;
-use super::*;
 use crate::config::Config;
 use crate::effect::{Decision, Effect, Value};
 use crate::store::database::{self, Database};
 use crate::store::statement::StatementCatalog;
+
+use super::single::{apply_in_one_flight, one_flight};
+use super::tests::admin_url;
+use super::work::{Claiming, Work};
+use super::*;
 
 const CONSUMER: &str = "flight";
 

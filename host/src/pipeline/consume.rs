@@ -15,11 +15,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::backoff::{Backoff, Schedule};
-use crate::batch_size::BatchSize;
 use crate::failpoint::Failpoint;
 use crate::message::InboundMessage;
 use crate::pipeline::Pipeline;
-use crate::process::{self, Disposition};
+use crate::pipeline::batch_size::BatchSize;
+use crate::pipeline::process::{self, Disposition};
 use crate::source::{self, Delivery, ForKind, Source, SourceError};
 
 /// Consumes `pipeline`'s queue or stream until `shutdown`, whatever its kind (see
