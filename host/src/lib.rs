@@ -14,20 +14,23 @@
 //!   sessions, both pauses), the consume loop over its source ([`pipeline::consume`]:
 //!   batches, bounded workers, settling after the transaction), one message or batch start
 //!   to finish ([`pipeline::process`], the only place that picks a disposition), the
-//!   adaptive batch size, and hot swap of its plugin ([`pipeline::reload`]: file watch,
-//!   SIGHUP, admin call).
+//!   adaptive batch size, hot swap of its plugin ([`pipeline::reload`]: file watch, SIGHUP,
+//!   admin call), and an operator's pause and resume, on one host or recorded for all
+//!   ([`pipeline::pause`]).
 //! - [`sandbox`]: the plugin runtime: wasmtime components, a sandbox per message, deadline and
 //!   memory limits, the compile cache.
 //! - [`store`]: PostgreSQL: the transaction ([`store::ledger`]), named statements, sessions,
 //!   whose fault an error is, the outbox table, retention and partitions, connecting.
 //! - [`relay`]: the outbox relay, delivering committed outbox rows to HTTP endpoints and AMQP
 //!   exchanges.
-//! - [`http`], [`metrics`], [`sampler`]: the HTTP listener (`/metrics`, `/healthz`,
-//!   `/readyz`, `/admin/…`), the counters every layer records into, and the gauges sampled
-//!   from the sources and databases on an interval; [`traces`]: a span per message, parented
-//!   by the producer's trace context and handed on to the outbox, exported over OTLP.
-//! - [`operator`]: an operator's pause and resume, on one host or recorded for all, and the
-//!   dead-letter archive.
+//! - [`http`]: the HTTP listener (`/metrics`, `/healthz`, `/readyz`, `/admin/…`, the console),
+//!   with the gauges sampled from the sources and databases on an interval
+//!   ([`http::sampler`]).
+//! - [`telemetry`]: the counters and histograms every layer records into
+//!   ([`telemetry::metrics`]), a span per message parented by the producer's trace context
+//!   and handed on to the outbox ([`telemetry::traces`]), and their OTLP export.
+//! - [`triage`]: dead letters archived and discarded with a replay's selection (`idem dlq`,
+//!   the console).
 //! - [`cases`]: plugin test cases (`idem test`) and the JSON form of an outcome (`idem try`).
 //! - [`effect`], [`message`]: the data passed between them.
 //! - [`backoff`], [`failpoint`], [`tls`]: retry timing, crash points for tests, TLS verdicts.
@@ -39,16 +42,14 @@ pub mod effect;
 pub mod failpoint;
 pub mod http;
 pub mod message;
-pub mod metrics;
-pub mod operator;
 pub mod pipeline;
 pub mod relay;
-pub mod sampler;
 pub mod sandbox;
 pub mod source;
 pub mod store;
+pub mod telemetry;
 pub mod tls;
-pub mod traces;
+pub mod triage;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -59,13 +60,13 @@ use tracing::info;
 
 use crate::config::Config;
 use crate::http::HttpError;
-use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError};
 use crate::relay::RelayWaker;
 use crate::sandbox::{PluginError, PluginRuntime};
 use crate::source::SourceError;
 use crate::store::database::{self, DatabaseError, Databases};
 use crate::store::retention;
+use crate::telemetry::metrics::Metrics;
 
 /// Why the host could not start.
 #[derive(Debug, thiserror::Error)]
@@ -180,7 +181,8 @@ async fn serve(
         None => None,
     };
     // Before anything is consumed: a pipeline paused for every host stays paused here.
-    operator::follow_recorded_pauses(pipelines.clone(), databases.clone(), token.clone()).await;
+    pipeline::pause::follow_recorded_pauses(pipelines.clone(), databases.clone(), token.clone())
+        .await;
     pipeline::reload::spawn_watcher(pipelines.clone(), token.clone());
     pipeline::reload::spawn_sighup_listener(pipelines.clone(), token.clone());
     for (name, database) in databases.iter() {

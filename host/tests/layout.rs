@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The layers that put the lower modules together; the lower ones never import them.
-const UPPER: [&str; 4] = ["pipeline", "cases", "operator", "sampler"];
+const UPPER: [&str; 4] = ["pipeline", "cases", "triage", "http"];
 /// The lower layers: one folder each.
 const LOWER: [&str; 4] = ["source", "sandbox", "store", "relay"];
 

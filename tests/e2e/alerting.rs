@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use idem_e2e::{TestEnv, free_port, http_exchange, wait_for};
 use idem_host::config::Config;
-use idem_host::metrics::{Metrics, OutboxSample, SourceSample};
+use idem_host::telemetry::metrics::{Metrics, OutboxSample, SourceSample};
 
 fn deploy(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

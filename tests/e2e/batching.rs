@@ -9,8 +9,8 @@ use tokio_util::sync::CancellationToken;
 
 use idem_e2e::{TestEnv, order, wait_for};
 use idem_host::message::InboundMessage;
-use idem_host::metrics::Metrics;
 use idem_host::pipeline::process::{Disposition, Settled, handle_batch};
+use idem_host::telemetry::metrics::Metrics;
 
 fn batch_of(orders: &[(i64, i64, i64)]) -> Vec<(InboundMessage, u32)> {
     orders

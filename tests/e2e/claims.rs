@@ -12,10 +12,10 @@ use tokio_util::sync::CancellationToken;
 use idem_e2e::{TestEnv, order, plugin_path, wait_for};
 use idem_host::config::Config;
 use idem_host::message::InboundMessage;
-use idem_host::metrics::Metrics;
 use idem_host::pipeline::Pipeline;
 use idem_host::pipeline::process::{Disposition, Settled, handle_delivery};
 use idem_host::sandbox::PluginRuntime;
+use idem_host::telemetry::metrics::Metrics;
 
 /// The guide's natural-key form: the ledger row is the claim. The credit is an upsert fed by
 /// the insert's RETURNING, so it reports one row exactly when the order is new, even for a

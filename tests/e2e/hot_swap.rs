@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_e2e::{TestEnv, free_port, http_request, order, plugin_path, unacked, wait_for};
-use idem_host::metrics::Metrics;
+use idem_host::telemetry::metrics::Metrics;
 
 /// A private copy of a plugin file, in a directory of its own the host can watch.
 fn plugin_slot(env: &TestEnv, initial: &str) -> PathBuf {

@@ -432,8 +432,8 @@ async fn a_transaction_slower_than_ack_wait_is_applied_once() {
             &format!(", ack_wait = \"1s\", in_progress = {in_progress}"),
             "",
         );
-        let metrics: Vec<Arc<idem_host::metrics::Metrics>> = (0..2)
-            .map(|_| Arc::new(idem_host::metrics::Metrics::new()))
+        let metrics: Vec<Arc<idem_host::telemetry::metrics::Metrics>> = (0..2)
+            .map(|_| Arc::new(idem_host::telemetry::metrics::Metrics::new()))
             .collect();
         let hosts: Vec<_> = metrics
             .iter()

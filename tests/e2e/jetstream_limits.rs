@@ -74,7 +74,7 @@ async fn an_operators_consumer_is_kept_in_progress_at_its_own_ack_wait() {
         ", declare = false, in_progress = true",
         "",
     );
-    let metrics = Arc::new(idem_host::metrics::Metrics::new());
+    let metrics = Arc::new(idem_host::telemetry::metrics::Metrics::new());
     let host = env.start_host_with_metrics(parse(&text), Arc::clone(&metrics));
     stream.publish(&order(7, 1, 700), None).await;
     wait_for("the order credited", Duration::from_secs(60), || async {

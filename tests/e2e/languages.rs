@@ -10,9 +10,9 @@ use idem_e2e::{REPO_ROOT, TestEnv, idem_binary, order, plugin_path, unacked, wai
 use idem_host::cases::{self, Origin, Trial};
 use idem_host::config::PluginLimits;
 use idem_host::message::InboundMessage;
-use idem_host::metrics::Metrics;
 use idem_host::sandbox::PluginRuntime;
 use idem_host::sandbox::cache::Compiled;
+use idem_host::telemetry::metrics::Metrics;
 
 const LOYALTY_PLUGINS: [&str; 4] = ["loyalty", "loyalty-py", "loyalty-js", "loyalty-c"];
 

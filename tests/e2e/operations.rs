@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use idem_e2e::{TestEnv, idem_binary, order, spawn_idem, unacked, wait_for};
 use idem_host::config::RetentionConfig;
-use idem_host::metrics::Metrics;
 use idem_host::store::retention::{self, Pass};
 use idem_host::store::tables::Tables;
+use idem_host::telemetry::metrics::Metrics;
 use tokio_util::sync::CancellationToken;
 
 /// Batched cleanup removes exactly the claims outside the window, of its own consumer only,

@@ -17,7 +17,7 @@ use lapin::types::{FieldTable, ShortString};
 use idem_e2e::tls::{HttpsListener, Pki};
 use idem_e2e::{TestEnv, order, plugin_path, spawn_idem, wait_for};
 use idem_host::config::Config;
-use idem_host::metrics::Metrics;
+use idem_host::telemetry::metrics::Metrics;
 
 /// What the test endpoint saw.
 #[derive(Default)]

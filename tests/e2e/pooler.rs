@@ -9,8 +9,8 @@ use std::time::Duration;
 use idem_e2e::pgbouncer::PgBouncer;
 use idem_e2e::{TestEnv, must_refuse, must_succeed, order, run_and_check_refuse, wait_for};
 use idem_host::config::Config;
-use idem_host::metrics::Metrics;
 use idem_host::store::retention::{self, Pass};
+use idem_host::telemetry::metrics::Metrics;
 
 /// `env`'s config with `[database] url` through `bouncer` and `database_keys` added to the
 /// `[database]` table; `extra` goes into the pipeline's table.

@@ -24,7 +24,7 @@ use tokio::sync::Mutex;
 
 use idem_e2e::proxy::Proxy;
 use idem_e2e::{IdemProcess, TestEnv, order, spawn_idem, unacked, wait_for};
-use idem_host::metrics::Metrics;
+use idem_host::telemetry::metrics::Metrics;
 
 /// One scenario at a time: they restart shared services.
 static SERIAL: Mutex<()> = Mutex::const_new(());

@@ -31,7 +31,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use idem_host::config::Config;
-use idem_host::metrics::Metrics;
+use idem_host::telemetry::metrics::Metrics;
 use std::sync::Arc;
 
 /// Where the test plugins were built (`plugins/dist`).
@@ -234,7 +234,7 @@ impl TestEnv {
             config.pipelines[0].clone(),
             idem_host::sandbox::PluginRuntime::new().expect("plugin runtime"),
             &self.open_database().await,
-            std::sync::Arc::new(idem_host::metrics::Metrics::new()),
+            std::sync::Arc::new(idem_host::telemetry::metrics::Metrics::new()),
         )
         .await
         .map_err(|error| error.to_string())

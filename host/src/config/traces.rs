@@ -1,5 +1,5 @@
 //! The `[traces]` table: OpenTelemetry traces over OTLP, off unless this table or the standard
-//! `OTEL_EXPORTER_OTLP_ENDPOINT` turns them on (`crate::traces` reads the variables, which win).
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` turns them on (`crate::telemetry::traces` reads the variables, which win).
 
 use schemars::JsonSchema;
 use serde::Deserialize;

@@ -1,7 +1,7 @@
 //! The last minutes of each pipeline, kept while the host runs so that the console shows them
 //! as soon as it is opened: the outcome counters every `EVERY` (in memory), and the last
 //! readings of each source and of the outbox backlog that the sampler took
-//! ([`sampler`](crate::sampler)).
+//! ([`sampler`](crate::http::sampler)).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -11,9 +11,9 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use super::unix_seconds;
-use crate::metrics::Metrics;
+use crate::http::sampler::Sampled;
 use crate::pipeline::Pipeline;
-use crate::sampler::Sampled;
+use crate::telemetry::metrics::Metrics;
 
 /// How often the counters are sampled.
 const EVERY: Duration = Duration::from_secs(5);

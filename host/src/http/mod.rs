@@ -2,7 +2,7 @@
 //!
 //! `/admin/status` lists pipelines with their plugin build; `POST /admin/reload/{pipeline}`
 //! hot-swaps a plugin; `POST /admin/pipelines/{pipeline}/pause|resume` pauses and resumes
-//! one (`operator`); `triage` lists and replays dead letters and parked outbox rows.
+//! one (`pipeline::pause`); `triage` lists and replays dead letters and parked outbox rows.
 //!
 //! Access: a request addressed (its `Host`) to a name this endpoint does not answer to is
 //! refused on every route, so a page whose domain was rebound to this address reads and does
@@ -17,6 +17,7 @@
 
 mod console;
 mod history;
+pub mod sampler;
 mod triage;
 
 use std::sync::Arc;
@@ -34,12 +35,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::HttpConfig;
-use crate::metrics::Metrics;
-use crate::operator;
-use crate::pipeline::Pipeline;
 use crate::pipeline::reload::{self, Reloaded};
-use crate::sampler;
+use crate::pipeline::{Pipeline, pause};
 use crate::store::database::Databases;
+use crate::telemetry::metrics::Metrics;
 
 #[derive(Clone)]
 struct AppState {
@@ -451,7 +450,7 @@ async fn pause_pipeline(
 ) -> Result<Answer, Answer> {
     let pipeline = state.pipeline(&name)?;
     let database = state.databases.named(pipeline.config.database.as_deref());
-    let newly = operator::pause(
+    let newly = pause::pause(
         pipeline,
         database,
         request.reason.as_deref(),
@@ -485,14 +484,12 @@ async fn resume_pipeline(
 ) -> Result<Answer, Answer> {
     let pipeline = state.pipeline(&name)?;
     let database = state.databases.named(pipeline.config.database.as_deref());
-    let ended = operator::resume(pipeline, database)
-        .await
-        .map_err(|error| {
-            failed(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("the recorded pause could not be cleared, still paused: {error}"),
-            )
-        })?;
+    let ended = pause::resume(pipeline, database).await.map_err(|error| {
+        failed(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the recorded pause could not be cleared, still paused: {error}"),
+        )
+    })?;
     Ok((
         StatusCode::OK,
         Json(json!({ "pipeline": name, "paused": false, "was_paused": ended.is_some() })),

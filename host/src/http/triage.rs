@@ -1,7 +1,7 @@
 //! What failed and was kept aside, over HTTP for the console: a pipeline's dead letters
 //! (listed and grouped by error kind and reason, one shown whole, a selection replayed) and the
 //! outbox rows not delivered (parked ones made pending again); dead letters discarded or
-//! archived (`operator`). The same passes as `idem dlq`
+//! archived (`crate::triage`). The same passes as `idem dlq`
 //! and `idem outbox` (`source::dead_letters`, `store::outbox`).
 
 use std::collections::BTreeSet;
@@ -15,9 +15,9 @@ use serde_json::json;
 
 use super::{Answer, AppState, failed};
 use crate::config::PipelineConfig;
-use crate::operator::{self, ArchiveTo};
 use crate::source::{self, dead_letters, dead_letters::Action, dead_letters::Selection};
 use crate::store::outbox;
+use crate::triage::{self, ArchiveTo};
 
 /// Most dead letters one list returns; the page says when there are more.
 const LIST_LIMIT: u64 = 500;
@@ -238,7 +238,7 @@ pub(super) async fn archive(
         tables: &database.tables,
     };
     let dry_run = filter.dry_run;
-    let report = operator::archive_dead_letters(pipeline, &filter.selection(None), to, dry_run)
+    let report = triage::archive_dead_letters(pipeline, &filter.selection(None), to, dry_run)
         .await
         .map_err(|error| failed(StatusCode::BAD_GATEWAY, error))?;
     if !dry_run {

@@ -1,11 +1,31 @@
-//! An operator's pause of one pipeline, as a switch that counts its changes: the poll of the
-//! recorded pauses (`operator::follow_recorded_pauses`) reads the switch, then the records,
-//! then acts; an operator's pause or resume landing between the two readings wins, instead of
-//! being undone by a decision on the older reading until the next poll.
+//! What an operator does to a running pipeline besides reloading its plugin: pause and
+//! resume it (`POST /admin/pipelines/{name}/pause|resume`, the console, `idem pause|resume`).
+//!
+//! A pause on one host lasts while that host runs. A recorded pause (`persist`, and always
+//! from `idem pause`) is written to the database first (`store::pauses`): every host of the
+//! pipeline's consumer reads the records before it consumes and every `WATCH_EVERY` after, so
+//! it stops every host and outlives restarts, until a resume clears it.
+//!
+//! A paused pipeline lets the messages it started settle, then closes its source connection:
+//! what it had prefetched goes back to the queue for no one to hold.
+//!
+//! The pause here is a switch that counts its changes: the poll of the recorded pauses
+//! (`follow_recorded_pauses`) reads the switch, then the records, then acts; an operator's
+//! pause or resume landing between the two readings wins, instead of being undone by a
+//! decision on the older reading until the next poll.
 
-use std::time::SystemTime;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::store::database::{Database, Databases};
+use crate::store::pauses::{self, Recorded};
+
+use super::Pipeline;
 
 /// An operator's pause of a pipeline (`POST /admin/pipelines/{name}/pause`, `idem pause`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,6 +148,107 @@ impl OperatorSwitch {
     pub(crate) async fn resumed(&self) {
         let mut receiver = self.state.subscribe();
         let _ = receiver.wait_for(|state| state.pause.is_none()).await;
+    }
+}
+
+/// How often every host reads the recorded pauses.
+pub const WATCH_EVERY: Duration = Duration::from_secs(5);
+
+/// The reason a pause without one is given.
+const NO_REASON: &str = "no reason given";
+
+/// Pauses `pipeline`, in `database`; with `persist`, records it for every host first (a
+/// record that cannot be written pauses nothing). Returns whether it was running.
+pub async fn pause(
+    pipeline: &Pipeline,
+    database: &Database,
+    reason: Option<&str>,
+    persist: bool,
+) -> Result<bool, sqlx::Error> {
+    let reason = reason
+        .map(str::trim)
+        .filter(|reason| !reason.is_empty())
+        .unwrap_or(NO_REASON);
+    if persist {
+        let config = &pipeline.config;
+        pauses::record(
+            &database.pool,
+            &database.tables,
+            &config.consumer,
+            config.retention.window,
+            reason,
+        )
+        .await?;
+    }
+    Ok(pipeline.pause_by_operator(OperatorPause {
+        reason: reason.to_string(),
+        since: SystemTime::now(),
+        persistent: persist,
+    }))
+}
+
+/// Resumes `pipeline`: clears its consumer's recorded pause, if any (every host resumes),
+/// then its pause here. Returns the pause it ended here.
+pub async fn resume(
+    pipeline: &Pipeline,
+    database: &Database,
+) -> Result<Option<OperatorPause>, sqlx::Error> {
+    pauses::clear(&database.pool, &database.tables, &pipeline.config.consumer).await?;
+    Ok(pipeline.resume_by_operator())
+}
+
+/// Applies the pauses recorded in every database to its pipelines now (before they
+/// consume), then every `WATCH_EVERY` until `shutdown`.
+pub async fn follow_recorded_pauses(
+    pipelines: Vec<Arc<Pipeline>>,
+    databases: Databases,
+    shutdown: CancellationToken,
+) {
+    apply_recorded(&pipelines, &databases).await;
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(WATCH_EVERY) => {}
+            }
+            apply_recorded(&pipelines, &databases).await;
+        }
+    });
+}
+
+/// Pauses the pipelines whose consumer has a recorded pause, and resumes those paused by a
+/// record that was cleared. A pause on this host only is left alone.
+async fn apply_recorded(pipelines: &[Arc<Pipeline>], databases: &Databases) {
+    for (name, database) in databases.iter() {
+        // The switches first: an operator's pause or resume after this reading wins over
+        // the records read next.
+        let here: Vec<_> = pipelines
+            .iter()
+            .filter(|pipeline| pipeline.config.database.as_deref() == name)
+            .map(|pipeline| (pipeline, pipeline.read_operator_pause()))
+            .collect();
+        let recorded: BTreeMap<String, Recorded> = match pauses::recorded(
+            &database.pool,
+            &database.tables,
+        )
+        .await
+        {
+            Ok(recorded) => recorded,
+            Err(error) => {
+                warn!(%error, database = %crate::store::database::label(name), "Cannot read the recorded pauses; trying again in 5 s.");
+                continue;
+            }
+        };
+        for (pipeline, reading) in &here {
+            let record = recorded
+                .get(&pipeline.config.consumer)
+                .map(|record| OperatorPause {
+                    reason: record.reason.clone(),
+                    since: record.since,
+                    persistent: true,
+                });
+            pipeline.follow_record(*reading, record);
+        }
     }
 }
 

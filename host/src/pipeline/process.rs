@@ -16,7 +16,7 @@ use crate::pipeline::Pipeline;
 use crate::sandbox::{LoadedPlugin, PluginError};
 use crate::store::fault;
 use crate::store::ledger::{self, BatchItem, ClaimOutcome, LedgerError, Plan};
-use crate::traces::MessageSpan;
+use crate::telemetry::traces::MessageSpan;
 
 pub use super::disposition::{Disposition, Settled};
 use super::retries::{Retries, ran_out_of_time};

@@ -22,11 +22,11 @@ use tracing::{Instrument, debug, info, warn};
 
 use crate::backoff::{Backoff, Schedule};
 use crate::config::{Destination, OutboxConfig};
-use crate::metrics::Metrics;
 use crate::store::database::Database;
 use crate::store::outbox::{self, Attempt, Taken};
 use crate::store::tables::Tables;
-use crate::traces::{self, TraceContext};
+use crate::telemetry::metrics::Metrics;
+use crate::telemetry::traces::{self, TraceContext};
 
 pub use http::{DestinationError, http_clients};
 

@@ -15,7 +15,7 @@ use crate::store::tables::Tables;
 
 use crate::config::{Destination, OutboxConfig};
 use crate::effect::{MAX_KEY_BYTES, OutboxMessage};
-use crate::traces::TraceContext;
+use crate::telemetry::traces::TraceContext;
 
 /// Rows of one message's outbox effects, checked against the configured destinations.
 #[derive(Debug, Clone, PartialEq)]
@@ -310,7 +310,7 @@ pub async fn backlog(pool: &PgPool, tables: &Tables) -> Result<Backlog, sqlx::Er
 pub async fn undelivered_sample(
     pool: &PgPool,
     tables: &Tables,
-) -> Result<crate::metrics::OutboxSample, sqlx::Error> {
+) -> Result<crate::telemetry::metrics::OutboxSample, sqlx::Error> {
     let (pending, parked, oldest): (i64, i64, Option<f64>) =
         bookkeeping::in_transaction(pool, async |connection| {
             bookkeeping::query_as(&tables.sql(
@@ -323,7 +323,7 @@ pub async fn undelivered_sample(
             .await
         })
         .await?;
-    Ok(crate::metrics::OutboxSample {
+    Ok(crate::telemetry::metrics::OutboxSample {
         pending,
         parked,
         oldest_pending_age: Duration::from_secs_f64(oldest.unwrap_or(0.0).max(0.0)),

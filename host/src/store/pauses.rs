@@ -1,5 +1,5 @@
 //! Operator pauses that last: recorded on the consumer's row of `idem_consumers`
-//! (`paused_at`, `pause_reason`), where every host of the consumer reads them (`operator`
+//! (`paused_at`, `pause_reason`), where every host of the consumer reads them (`pipeline::pause`
 //! polls them), across restarts, until a resume clears them.
 
 use std::collections::BTreeMap;

@@ -13,11 +13,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::config::{DatabaseConfig, PipelineConfig, RetentionConfig, redact_url};
-use crate::metrics::Metrics;
 use crate::store::bookkeeping;
 use crate::store::database::{Database, DatabaseError};
 use crate::store::partition::{self, Maintenance};
 use crate::store::tables::Tables;
+use crate::telemetry::metrics::Metrics;
 
 /// The advisory lock that elects the one cleaning host of idem's tables in one schema (two
 /// installations in one database, in schemas of their own, each clean theirs).

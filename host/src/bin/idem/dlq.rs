@@ -5,11 +5,11 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use idem_host::config::{Config, PipelineConfig};
-use idem_host::operator::{self, ArchiveTo};
 use idem_host::source;
 use idem_host::source::dead_letters::{Action, PREVIEW_CHARS, Selection, cut_line};
 use idem_host::store::database;
 use idem_host::store::tables::Tables;
+use idem_host::triage::{self, ArchiveTo};
 
 use crate::ConfigArg;
 use crate::table::{format_age, print_table, printable};
@@ -399,7 +399,7 @@ async fn archive(
         },
         (None, None) => unreachable!("a pool is opened when no file is given"),
     };
-    let report = operator::archive_dead_letters(pipeline, selection, target, dry_run).await?;
+    let report = triage::archive_dead_letters(pipeline, selection, target, dry_run).await?;
     if let Some(pool) = pool {
         pool.close().await;
     }

@@ -30,7 +30,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use idem_host::traces::TraceExport;
+use idem_host::telemetry::export::TraceExport;
 
 /// The version `idem --version` prints, with the plugin contracts this host runs (kept to
 /// `sandbox::contract::SPOKEN` by a test).

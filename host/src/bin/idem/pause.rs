@@ -1,10 +1,10 @@
 //! `idem pause` and `idem resume`: a pipeline paused on every host of its consumer, recorded
-//! in the database (`operator`), or resumed.
+//! in the database (`pipeline::pause`), or resumed.
 
 use std::process::ExitCode;
 
 use idem_host::config::Config;
-use idem_host::operator::WATCH_EVERY;
+use idem_host::pipeline::pause::WATCH_EVERY;
 use idem_host::store::tables::Tables;
 use idem_host::store::{database, pauses};
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use idem_host::config::Config;
-use idem_host::traces::TraceExport;
+use idem_host::telemetry::export::TraceExport;
 
 use crate::ConfigArg;
 

@@ -59,7 +59,7 @@ pub struct Plan<'a> {
     pub outbox: Vec<OutboxRow>,
     /// The consumer name the outbox rows record.
     pub consumer: &'a str,
-    /// The W3C trace context the outbox rows carry to their deliveries (`crate::traces`).
+    /// The W3C trace context the outbox rows carry to their deliveries (`crate::telemetry::traces`).
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
     /// The message was delivered before (the broker says so, or this is another attempt):
@@ -146,7 +146,7 @@ impl<'a> Plan<'a> {
 
 impl Plan<'_> {
     /// Makes the outbox rows carry `trace` to their deliveries.
-    pub fn carry(&mut self, trace: Option<crate::traces::TraceContext>) {
+    pub fn carry(&mut self, trace: Option<crate::telemetry::traces::TraceContext>) {
         (self.traceparent, self.tracestate) = match trace {
             Some(trace) => (Some(trace.traceparent), trace.tracestate),
             None => (None, None),

@@ -16,11 +16,11 @@ use std::time::{Duration, Instant, SystemTime};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::{Metrics, SourceSample};
 use crate::pipeline::Pipeline;
 use crate::source::{DepthProbe, Depths};
 use crate::store::database::{self, Databases};
 use crate::store::{outbox, retention};
+use crate::telemetry::metrics::{Metrics, SourceSample};
 
 /// How often every source is asked for its depths.
 pub const SOURCES_EVERY: Duration = Duration::from_secs(15);
