@@ -143,15 +143,15 @@ async fn serve(
     let mut pipelines = Vec::with_capacity(config.pipelines.len());
     for pipeline_config in &config.pipelines {
         let name = pipeline_config.database.as_deref();
-        let mut pipeline = Pipeline::start(
+        let position = databases.iter().position(|(opened, _)| opened == name);
+        let pipeline = Pipeline::start(
             pipeline_config.clone(),
             runtime.clone(),
             databases.named(name),
             Arc::clone(&metrics),
+            wakers[position.expect("opened from the config")].clone(),
         )
         .await?;
-        let position = databases.iter().position(|(opened, _)| opened == name);
-        pipeline.relay = wakers[position.expect("opened from the config")].clone();
         pipelines.push(Arc::new(pipeline));
     }
     if let Some(outbox_config) = config.outbox.as_ref().filter(|outbox| outbox.relay) {

@@ -56,6 +56,7 @@ async fn a_failing_message_rolls_back_to_its_savepoint_and_the_rest_commit() {
         idem_host::sandbox::PluginRuntime::new().expect("runtime"),
         &env.open_database().await,
         Arc::new(Metrics::new()),
+        idem_host::relay::RelayWaker::default(),
     )
     .await
     .expect("pipeline starts");
@@ -199,7 +200,7 @@ async fn two_hosts_with_overlapping_keys_do_not_deadlock() {
     }
     for host in [&pipeline, &other_host] {
         assert_eq!(
-            host.metrics.database_retries(host.name(), "40P01"),
+            host.metrics().database_retries(host.name(), "40P01"),
             0,
             "a deadlock between the two batches"
         );

@@ -366,7 +366,9 @@ record_ledger = "INSERT INTO point_ledger (customer_id, order_id, points) VALUES
     // 40001 for the losers: retried, they find the claim.
     let results = deliver_concurrently(&pipeline, &redelivered(order(77, 7, 900)), 8).await;
     assert_applied_once(&results);
-    let retried = pipeline.metrics.database_retries(pipeline.name(), "40001");
+    let retried = pipeline
+        .metrics()
+        .database_retries(pipeline.name(), "40001");
     assert!(retried >= 1, "no serialization failure was retried");
     env.assert_loyalty_consistent().await;
 
@@ -511,6 +513,7 @@ async fn example_pipelines_start_against_their_schemas() {
                 PluginRuntime::new().expect("plugin runtime"),
                 &env.open_database().await,
                 Arc::new(Metrics::new()),
+                idem_host::relay::RelayWaker::default(),
             )
             .await
             .unwrap_or_else(|error| panic!("{example}: {error}"));

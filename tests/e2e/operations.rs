@@ -378,7 +378,7 @@ async fn partition_mode_drops_old_days_and_still_deduplicates() {
     );
 
     let pipeline = std::sync::Arc::new(env.pipeline("loyalty", "").await);
-    assert!(pipeline.partitioned_claims);
+    assert!(pipeline.partitioned_claims());
     let shutdown = CancellationToken::new();
     let message = |order_id| InboundMessage {
         pipeline: "loyalty".into(),

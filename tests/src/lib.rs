@@ -235,6 +235,7 @@ impl TestEnv {
             idem_host::sandbox::PluginRuntime::new().expect("plugin runtime"),
             &self.open_database().await,
             std::sync::Arc::new(idem_host::telemetry::metrics::Metrics::new()),
+            idem_host::relay::RelayWaker::default(),
         )
         .await
         .map_err(|error| error.to_string())

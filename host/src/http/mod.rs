@@ -21,7 +21,6 @@ pub mod sampler;
 mod triage;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 use axum::extract::{Path, Request, State};
@@ -349,11 +348,11 @@ async fn ready(State(state): State<AppState>) -> impl IntoResponse {
                 pipeline.name(),
                 pause.reason
             ));
-        } else if !pipeline.consuming.load(Ordering::Relaxed) {
+        } else if !pipeline.is_consuming() {
             problems.push(format!(
                 "pipeline {:?}: not consuming {:?}",
                 pipeline.name(),
-                pipeline.config.queue()
+                pipeline.config().queue()
             ));
         }
     }
@@ -372,20 +371,16 @@ async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
         .pipelines
         .iter()
         .map(|pipeline| {
-            let plugin = pipeline.plugin.load();
-            let reload_status = pipeline
-                .reload_status
-                .lock()
-                .map(|status| status.clone())
-                .unwrap_or_default();
+            let plugin = pipeline.plugin();
+            let reload_status = pipeline.reload_status();
             json!({
                 "name": pipeline.name(),
-                "source": pipeline.config.source_kind(),
-                "queue": pipeline.config.queue(),
-                "dead_letter_queue": pipeline.config.dead_letter(),
-                "consuming": pipeline.consuming.load(Ordering::Relaxed),
-                "workers": pipeline.config.workers.get(),
-                "prefetch": pipeline.config.prefetch.get(),
+                "source": pipeline.config().source_kind(),
+                "queue": pipeline.config().queue(),
+                "dead_letter_queue": pipeline.config().dead_letter(),
+                "consuming": pipeline.is_consuming(),
+                "workers": pipeline.config().workers.get(),
+                "prefetch": pipeline.config().prefetch.get(),
                 "paused": pipeline.paused().map(|paused| json!({
                     "statement": paused.statement,
                     "sqlstate": paused.sqlstate,
@@ -449,7 +444,7 @@ async fn pause_pipeline(
     Json(request): Json<PauseRequest>,
 ) -> Result<Answer, Answer> {
     let pipeline = state.pipeline(&name)?;
-    let database = state.databases.named(pipeline.config.database.as_deref());
+    let database = state.databases.named(pipeline.config().database.as_deref());
     let newly = pause::pause(
         pipeline,
         database,
@@ -483,7 +478,7 @@ async fn resume_pipeline(
     Path(name): Path<String>,
 ) -> Result<Answer, Answer> {
     let pipeline = state.pipeline(&name)?;
-    let database = state.databases.named(pipeline.config.database.as_deref());
+    let database = state.databases.named(pipeline.config().database.as_deref());
     let ended = pause::resume(pipeline, database).await.map_err(|error| {
         failed(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -115,7 +115,7 @@ async fn sample_source(
     probe: &mut DepthProbe,
     metrics: &Metrics,
 ) -> Result<serde_json::Value, String> {
-    let read = tokio::time::timeout(READ_TIMEOUT, probe.depths(&pipeline.config)).await;
+    let read = tokio::time::timeout(READ_TIMEOUT, probe.depths(pipeline.config())).await;
     let depths: Depths = match read {
         Ok(Ok(depths)) => depths,
         Ok(Err(error)) => return Err(error.to_string()),
@@ -167,10 +167,10 @@ async fn sample_databases(
         }
     }
     for pipeline in pipelines {
-        let opened = databases.named(pipeline.config.database.as_deref());
+        let opened = databases.named(pipeline.config().database.as_deref());
         let read = tokio::time::timeout(
             READ_TIMEOUT,
-            retention::claims_summary(&opened.pool, &opened.tables, &pipeline.config.consumer),
+            retention::claims_summary(&opened.pool, &opened.tables, &pipeline.config().consumer),
         )
         .await;
         if let Ok(Ok(claims)) = read {
@@ -178,7 +178,7 @@ async fn sample_databases(
                 pipeline.name(),
                 claims.rows,
                 claims.oldest_age.unwrap_or_default(),
-                pipeline.config.retention.window,
+                pipeline.config().retention.window,
             );
         }
     }

@@ -63,7 +63,7 @@ pub(super) async fn list(
     Path(name): Path<String>,
     Json(filter): Json<Filter>,
 ) -> Result<Answer, Answer> {
-    let pipeline = &state.pipeline(&name)?.config;
+    let pipeline = &state.pipeline(&name)?.config();
     let limit = filter.limit.unwrap_or(LIST_LIMIT).min(LIST_LIMIT);
     // One more than shown, to know whether there are more.
     let selection = filter.selection(Some(limit + 1));
@@ -115,7 +115,7 @@ pub(super) async fn show(
     Path(name): Path<String>,
     Json(Shown { id }): Json<Shown>,
 ) -> Result<Answer, Answer> {
-    let pipeline = &state.pipeline(&name)?.config;
+    let pipeline = &state.pipeline(&name)?.config();
     let selection = Selection {
         ids: Some(BTreeSet::from([id.clone()])),
         limit: Some(1),
@@ -147,7 +147,7 @@ pub(super) async fn replay(
     Path(name): Path<String>,
     Json(filter): Json<Filter>,
 ) -> Result<Answer, Answer> {
-    let pipeline = &state.pipeline(&name)?.config;
+    let pipeline = &state.pipeline(&name)?.config();
     let dry_run = filter.dry_run;
     let ids = pass_selected(pipeline, &filter.selection(None), Action::Replay, dry_run).await?;
     let moved = ids.len();
@@ -197,7 +197,7 @@ pub(super) async fn discard(
     Path(name): Path<String>,
     Json(filter): Json<Filter>,
 ) -> Result<Answer, Answer> {
-    let pipeline = &state.pipeline(&name)?.config;
+    let pipeline = &state.pipeline(&name)?.config();
     let (all, dry_run) = (filter.all, filter.dry_run);
     let selection = filter.selection(None);
     if selection.is_everything() && !all {
@@ -231,7 +231,7 @@ pub(super) async fn archive(
     Path(name): Path<String>,
     Json(filter): Json<Filter>,
 ) -> Result<Answer, Answer> {
-    let pipeline = &state.pipeline(&name)?.config;
+    let pipeline = &state.pipeline(&name)?.config();
     let database = state.databases.named(pipeline.database.as_deref());
     let to = ArchiveTo::Table {
         pool: &database.pool,

@@ -2,9 +2,8 @@
 //! checked at start. The consume loop that feeds it deliveries is `consume`; each delivery is
 //! handled by `process`, its tries by `retries`.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
 
 use arc_swap::ArcSwap;
 use sqlx::PgPool;
@@ -31,31 +30,31 @@ mod retries;
 
 pub use pause::OperatorPause;
 use pause::{Followed, OperatorSwitch, Reading};
+pub use reload::ReloadStatus;
+use reload::Reloads;
 
 /// Everything a worker needs to handle a message of this pipeline.
 pub struct Pipeline {
-    pub config: PipelineConfig,
-    pub runtime: PluginRuntime,
+    config: PipelineConfig,
+    runtime: PluginRuntime,
     /// The plugin serving new messages; a message in flight keeps the version it started with.
-    pub plugin: ArcSwap<LoadedPlugin>,
-    pub statements: StatementCatalog,
+    plugin: ArcSwap<LoadedPlugin>,
+    statements: StatementCatalog,
     /// The sessions its transactions run on (shared by every pipeline).
-    pub sessions: SessionPool,
-    pub metrics: Arc<Metrics>,
-    /// The last reload attempt, for the admin status.
-    pub reload_status: Mutex<ReloadStatus>,
+    sessions: SessionPool,
+    metrics: Arc<Metrics>,
+    /// Its reloads: one at a time, the last one's outcome kept for the admin status.
+    reloads: Reloads,
     /// True while a consumer is subscribed to the queue.
-    pub consuming: AtomicBool,
+    consuming: AtomicBool,
     /// `processed_messages` is partitioned by day: claims use the partition-safe form.
-    pub partitioned_claims: bool,
-    /// Serialises reloads of this pipeline.
-    pub(crate) reload_lock: tokio::sync::Mutex<()>,
+    partitioned_claims: bool,
     /// Wakes this host's outbox relay after a commit that wrote outbox rows.
-    pub relay: RelayWaker,
+    relay: RelayWaker,
     /// Held while a batch of several messages is applied: a multi-message transaction holds
     /// many row locks, and two of them in parallel deadlock on shared rows (one customer's
     /// balance). Plugin calls and single-message transactions still run in parallel.
-    pub(crate) batch_applier: tokio::sync::Mutex<()>,
+    batch_applier: tokio::sync::Mutex<()>,
     /// `Some` while a configuration fault pauses the pipeline: no new deliveries are taken
     /// until a retry of the failing transaction succeeds.
     paused: tokio::sync::watch::Sender<Option<Paused>>,
@@ -85,14 +84,6 @@ impl std::fmt::Display for Paused {
             self.statement, self.sqlstate, self.reason
         )
     }
-}
-
-/// What the last reload attempt of a pipeline's plugin did.
-#[derive(Debug, Clone, Default)]
-pub struct ReloadStatus {
-    pub last_attempt_at: Option<SystemTime>,
-    /// Why the last attempt was refused; `None` after a success.
-    pub last_error: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -138,6 +129,7 @@ impl Pipeline {
         runtime: PluginRuntime,
         database: &Database,
         metrics: Arc<Metrics>,
+        relay: RelayWaker,
     ) -> Result<Pipeline, PipelineError> {
         let plugin = load_plugin(&runtime, &config).await?;
         let statements = StatementCatalog::prepare(&database.sessions, &config).await?;
@@ -179,11 +171,10 @@ impl Pipeline {
             statements,
             sessions: database.sessions.clone(),
             metrics,
-            reload_status: Mutex::new(ReloadStatus::default()),
+            reloads: Reloads::default(),
             consuming: AtomicBool::new(false),
             partitioned_claims,
-            reload_lock: tokio::sync::Mutex::new(()),
-            relay: RelayWaker::default(),
+            relay,
             batch_applier: tokio::sync::Mutex::new(()),
             paused: tokio::sync::watch::Sender::new(None),
             probing: AtomicBool::new(false),
@@ -193,6 +184,35 @@ impl Pipeline {
 
     pub fn name(&self) -> &str {
         &self.config.name
+    }
+
+    pub fn config(&self) -> &PipelineConfig {
+        &self.config
+    }
+
+    /// The counters it records into (the host's).
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The plugin build serving new messages.
+    pub fn plugin(&self) -> Arc<LoadedPlugin> {
+        self.plugin.load_full()
+    }
+
+    /// Whether a consumer is subscribed to its queue now.
+    pub fn is_consuming(&self) -> bool {
+        self.consuming.load(Ordering::Relaxed)
+    }
+
+    /// What its last reload attempt did.
+    pub fn reload_status(&self) -> ReloadStatus {
+        self.reloads.status()
+    }
+
+    /// Whether its claims table is partitioned by day (claims take the partition-safe form).
+    pub fn partitioned_claims(&self) -> bool {
+        self.partitioned_claims
     }
 
     /// Stops taking deliveries because of a configuration fault; says so loudly, once per

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use notify::{RecursiveMode, Watcher};
@@ -30,13 +30,38 @@ pub enum Reloaded {
     Unchanged { digest: String },
 }
 
+/// What the last reload attempt of a pipeline's plugin did.
+#[derive(Debug, Clone, Default)]
+pub struct ReloadStatus {
+    pub last_attempt_at: Option<SystemTime>,
+    /// Why the last attempt was refused; `None` after a success.
+    pub last_error: Option<String>,
+}
+
+/// A pipeline's reloads: one at a time, and the last one's outcome.
+#[derive(Debug, Default)]
+pub(super) struct Reloads {
+    one_at_a_time: tokio::sync::Mutex<()>,
+    status: Mutex<ReloadStatus>,
+}
+
+impl Reloads {
+    pub(super) fn status(&self) -> ReloadStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+}
+
 /// Loads the pipeline's plugin file again and swaps it in if it is new and passes its checks.
 pub async fn reload(pipeline: &Pipeline, trigger: &'static str) -> Result<Reloaded, PipelineError> {
-    let _one_at_a_time = pipeline.reload_lock.lock().await;
+    let _one_at_a_time = pipeline.reloads.one_at_a_time.lock().await;
     let result = load_and_swap(pipeline).await;
     let name = pipeline.name();
     let mut status = pipeline
-        .reload_status
+        .reloads
+        .status
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     status.last_attempt_at = Some(SystemTime::now());
