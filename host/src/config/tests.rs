@@ -647,3 +647,33 @@ fn a_statement_that_changes_the_session_is_refused() {
     )
     .expect("a transaction's own role");
 }
+
+/// Every key of `[pipelines.<name>.source]` belongs to exactly one kind's keys, but `declare`,
+/// which both read: a key added to the table and forgotten by its kind would be accepted by
+/// the other kind without a word.
+#[test]
+fn every_source_key_belongs_to_one_kind() {
+    let schema = serde_json::to_value(schemars::schema_for!(source::RawSource)).expect("schema");
+    let mut table: Vec<String> = schema["properties"]
+        .as_object()
+        .expect("properties")
+        .keys()
+        .filter(|key| *key != "kind")
+        .cloned()
+        .collect();
+    table.sort();
+    let rabbitmq = source::rabbitmq::RabbitMqKeys::KEYS;
+    let jetstream = source::jetstream::JetStreamKeys::KEYS;
+    let mut kinds: Vec<String> = rabbitmq
+        .iter()
+        .chain(jetstream.iter())
+        .map(|key| key.to_string())
+        .collect();
+    kinds.sort();
+    assert_eq!(table, kinds, "the table's keys and the kinds' keys differ");
+    assert!(
+        rabbitmq.iter().all(|key| !jetstream.contains(key)),
+        "a key in both kinds' lists"
+    );
+    assert!(rabbitmq.contains(&"declare") && !jetstream.contains(&"declare"));
+}

@@ -10,7 +10,7 @@ use idem_host::source::{self, Finding};
 use idem_host::store::database;
 use idem_host::store::statement::StatementCatalog;
 
-use crate::ConfigArg;
+use crate::lookup::ConfigArg;
 
 /// Validate the config, compile every plugin, prepare every statement, and check RabbitMQ
 /// (credentials, vhost, every queue's existence and arguments); list every problem.

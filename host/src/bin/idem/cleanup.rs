@@ -6,7 +6,7 @@ use idem_host::config::Config;
 use idem_host::store::tables::Tables;
 use idem_host::store::{database, retention};
 
-use crate::ConfigArg;
+use crate::lookup::ConfigArg;
 
 /// Delete claims older than each pipeline's retention window, in batches, once.
 #[derive(clap::Args)]
@@ -19,7 +19,7 @@ impl Args {
     pub async fn run(self) -> anyhow::Result<ExitCode> {
         let config = Config::load(&self.config.config)?;
         let mut busy = false;
-        for (name, database_config, prefix) in crate::each_database(&config) {
+        for (name, database_config, prefix) in crate::lookup::each_database(&config) {
             let pool = database::connect_once(database_config).await?;
             let pipelines_in = config.pipelines_in(name);
             retention::record_consumers(&pool, database_config, &pipelines_in).await?;

@@ -11,9 +11,9 @@ use idem_host::store::database;
 use idem_host::store::tables::Tables;
 use idem_host::triage::{self, ArchiveTo};
 
-use crate::ConfigArg;
+use crate::lookup::ConfigArg;
+use crate::lookup::pipeline_named;
 use crate::table::{format_age, print_table, printable};
-use crate::trial::pipeline_named;
 
 /// Dead letters: list, show, and replay, discard or archive by error kind, reason, age or id.
 #[derive(clap::Args)]

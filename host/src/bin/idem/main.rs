@@ -11,6 +11,7 @@ mod clang;
 mod cleanup;
 mod completions;
 mod dlq;
+mod lookup;
 mod migrate;
 mod new;
 mod outbox;
@@ -26,7 +27,6 @@ mod test;
 mod trial;
 mod wit;
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -83,30 +83,6 @@ enum Command {
     Build(build::Args),
     Try(trial::Args),
     Test(test::Args),
-}
-
-/// The pipelines file a command reads.
-#[derive(clap::Args)]
-struct ConfigArg {
-    /// The pipelines file.
-    #[arg(long, short, default_value = "pipelines.toml", env = "IDEM_CONFIG")]
-    config: PathBuf,
-}
-
-/// Every database of `config` (`[database]` first), with the prefix a command's lines about
-/// it take: `[databases.billing]: ` when there are several, nothing when there is one.
-fn each_database(
-    config: &idem_host::config::Config,
-) -> impl Iterator<Item = (Option<&str>, &idem_host::config::DatabaseConfig, String)> {
-    let several = !config.databases.is_empty();
-    config.all_databases().map(move |(name, database)| {
-        let prefix = if several {
-            format!("{}: ", idem_host::store::database::label(name))
-        } else {
-            String::new()
-        };
-        (name, database, prefix)
-    })
 }
 
 fn main() -> ExitCode {

@@ -6,7 +6,7 @@ use idem_host::config::Config;
 use idem_host::store::database;
 use idem_host::store::tables::Tables;
 
-use crate::ConfigArg;
+use crate::lookup::ConfigArg;
 
 /// Create or update the host's tables (processed_messages, idem_outbox, idem_consumers) in
 /// every database of the config (`[database]` and each `[databases.<name>]`), in its
@@ -26,7 +26,7 @@ pub struct Args {
 impl Args {
     pub async fn run(self) -> anyhow::Result<ExitCode> {
         let config = Config::load(&self.config.config)?;
-        for (_, database_config, prefix) in crate::each_database(&config) {
+        for (_, database_config, prefix) in crate::lookup::each_database(&config) {
             let pool = database::connect_once(database_config).await?;
             let elsewhere = if self.new_installation {
                 database::Elsewhere::Ignore

@@ -9,7 +9,7 @@ use idem_host::source::dead_letters::cut_line;
 use idem_host::store::tables::Tables;
 use idem_host::store::{database, outbox};
 
-use crate::ConfigArg;
+use crate::lookup::ConfigArg;
 use crate::table::{format_age, print_table};
 
 /// Outbox rows not delivered: list them, send parked ones again.

@@ -6,7 +6,7 @@ use idem_host::config::{Config, RetentionConfig};
 use idem_host::store::tables::Tables;
 use idem_host::store::{database, partition, retention};
 
-use crate::ConfigArg;
+use crate::lookup::ConfigArg;
 
 /// Convert processed_messages to daily partitions (keeps every claim; run before starting hosts).
 #[derive(clap::Args)]
@@ -18,7 +18,7 @@ pub struct Args {
 impl Args {
     pub async fn run(self) -> anyhow::Result<ExitCode> {
         let config = Config::load(&self.config.config)?;
-        for (name, database_config, prefix) in crate::each_database(&config) {
+        for (name, database_config, prefix) in crate::lookup::each_database(&config) {
             // One session, so the check for connected hosts can tell this one apart.
             let mut one_session = database_config.clone();
             one_session.max_connections = std::num::NonZeroU32::MIN;

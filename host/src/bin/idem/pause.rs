@@ -8,8 +8,8 @@ use idem_host::pipeline::pause::WATCH_EVERY;
 use idem_host::store::tables::Tables;
 use idem_host::store::{database, pauses};
 
-use crate::ConfigArg;
-use crate::trial::pipeline_named;
+use crate::lookup::ConfigArg;
+use crate::lookup::pipeline_named;
 
 /// Pause a pipeline on every host that runs it, until `idem resume`: each stops consuming
 /// within seconds, lets the messages it started settle, and gives back what it prefetched.

@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use idem_host::source::dead_letters::Selection;
 
-use crate::ConfigArg;
 use crate::dlq;
+use crate::lookup::ConfigArg;
 
 /// Move dead-lettered messages back to their pipeline's queue or stream, oldest first (safe: claims
 /// dedup them). `idem dlq replay` does the same by selection.

@@ -7,7 +7,7 @@ use anyhow::Context;
 use idem_host::config::Config;
 use idem_host::telemetry::export::TraceExport;
 
-use crate::ConfigArg;
+use crate::lookup::ConfigArg;
 
 /// Consume every pipeline's queue until SIGTERM or Ctrl-C.
 #[derive(clap::Args)]

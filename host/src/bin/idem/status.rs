@@ -10,7 +10,7 @@ use idem_host::source;
 use idem_host::store::tables::Tables;
 use idem_host::store::{database, retention};
 
-use crate::ConfigArg;
+use crate::lookup::ConfigArg;
 
 /// Pipelines, plugin builds, queue and dead-letter depths, claims.
 #[derive(clap::Args)]

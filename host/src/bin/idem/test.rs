@@ -11,7 +11,7 @@ use idem_host::pipeline;
 use idem_host::sandbox::{LoadedPlugin, PluginRuntime};
 use idem_host::store::statement::StatementCatalog;
 
-use crate::trial::{pipeline_named, statements};
+use crate::lookup::{pipeline_named, statements};
 
 /// Run a plugin on every case of a case file and show each difference from the expected
 /// outcome (exit 1 on any); with --config, also check every effect against the pipeline.

@@ -8,14 +8,12 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use idem_host::cases::{self, Origin};
-use idem_host::config::{Config, PipelineConfig};
+use idem_host::config::Config;
 use idem_host::effect::Outcome;
 use idem_host::pipeline;
 use idem_host::sandbox::PluginRuntime;
-use idem_host::store::database;
-use idem_host::store::statement::StatementCatalog;
 
-use crate::ConfigArg;
+use crate::lookup::{ConfigArg, pipeline_named, statements};
 
 /// Run a pipeline's plugin on one message and print its decision (no broker); its effects
 /// are checked against the pipeline's statements (types too when PostgreSQL is reachable).
@@ -134,53 +132,4 @@ async fn try_message(
         Ok(Outcome::Skip { .. }) => Ok(ExitCode::SUCCESS),
         Err(_) => Ok(ExitCode::FAILURE),
     }
-}
-
-pub fn pipeline_named<'config>(
-    config: &'config Config,
-    name: &str,
-) -> anyhow::Result<&'config PipelineConfig> {
-    config.pipeline(name).with_context(|| {
-        let known: Vec<&str> = config
-            .pipelines
-            .iter()
-            .map(|pipeline| pipeline.name.as_str())
-            .collect();
-        format!(
-            "no pipeline {name:?} in {} (it has: {})",
-            config.path.display(),
-            known.join(", ")
-        )
-    })
-}
-
-/// The pipeline's statements as PostgreSQL prepares them, or, when it is out of reach (or
-/// `offline`), as the config declares them: names and parameter counts only.
-pub async fn statements(
-    config: &Config,
-    pipeline_config: &PipelineConfig,
-    offline: bool,
-) -> StatementCatalog {
-    if offline {
-        return StatementCatalog::from_config(pipeline_config);
-    }
-    let database = match database::open(config.database_of(pipeline_config)).await {
-        Ok(database) => database,
-        Err(error) => {
-            eprintln!(
-                "idem: PostgreSQL is out of reach ({error}); effects are checked for statement names and parameter counts, not types"
-            );
-            return StatementCatalog::from_config(pipeline_config);
-        }
-    };
-    let prepared = StatementCatalog::prepare(&database.sessions, pipeline_config).await;
-    database.pool.close().await;
-    database.sessions.close_idle();
-    prepared.unwrap_or_else(|errors| {
-        eprintln!(
-            "idem: pipeline {:?} has statements that do not prepare ({errors}); effects are checked for names and parameter counts only",
-            pipeline_config.name
-        );
-        StatementCatalog::from_config(pipeline_config)
-    })
 }

@@ -87,28 +87,69 @@ pub(in crate::config) struct JetStreamKeys {
 }
 
 impl JetStreamKeys {
-    /// The keys only a JetStream source has that are set, by name (`declare` is both kinds').
+    /// Every key only a JetStream source has (`declare` is both kinds'), in the order `set`
+    /// reads them.
+    pub const KEYS: [&'static str; 15] = [
+        "servers",
+        "user",
+        "password",
+        "token",
+        "credentials_file",
+        "tls",
+        "stream",
+        "subject",
+        "consumer",
+        "ack_wait",
+        "max_deliver",
+        "dead_letter_subject",
+        "dead_letter_stream",
+        "in_progress",
+        "start",
+    ];
+
+    /// The keys only a JetStream source has that are set, by name. Every field is named here
+    /// (no `..`): a new key does not compile until it is counted.
     pub fn set(&self) -> Vec<&'static str> {
-        [
-            ("servers", self.servers.is_some()),
-            ("user", self.user.is_some()),
-            ("password", self.password.is_some()),
-            ("token", self.token.is_some()),
-            ("credentials_file", self.credentials_file.is_some()),
-            ("tls", self.tls.is_some()),
-            ("stream", self.stream.is_some()),
-            ("subject", self.subject.is_some()),
-            ("consumer", self.consumer.is_some()),
-            ("ack_wait", self.ack_wait.is_some()),
-            ("max_deliver", self.max_deliver.is_some()),
-            ("dead_letter_subject", self.dead_letter_subject.is_some()),
-            ("dead_letter_stream", self.dead_letter_stream.is_some()),
-            ("in_progress", self.in_progress.is_some()),
-            ("start", self.start.is_some()),
-        ]
-        .into_iter()
-        .filter_map(|(key, set)| set.then_some(key))
-        .collect()
+        let JetStreamKeys {
+            servers,
+            user,
+            password,
+            token,
+            credentials_file,
+            tls,
+            stream,
+            subject,
+            consumer,
+            declare: _,
+            ack_wait,
+            max_deliver,
+            dead_letter_subject,
+            dead_letter_stream,
+            in_progress,
+            start,
+        } = self;
+        let set: [bool; Self::KEYS.len()] = [
+            servers.is_some(),
+            user.is_some(),
+            password.is_some(),
+            token.is_some(),
+            credentials_file.is_some(),
+            tls.is_some(),
+            stream.is_some(),
+            subject.is_some(),
+            consumer.is_some(),
+            ack_wait.is_some(),
+            max_deliver.is_some(),
+            dead_letter_subject.is_some(),
+            dead_letter_stream.is_some(),
+            in_progress.is_some(),
+            start.is_some(),
+        ];
+        Self::KEYS
+            .into_iter()
+            .zip(set)
+            .filter_map(|(key, set)| set.then_some(key))
+            .collect()
     }
 
     /// The source these keys describe for pipeline `pipeline`, written in `table`.

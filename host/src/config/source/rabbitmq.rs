@@ -155,18 +155,37 @@ pub(in crate::config) struct RabbitMqKeys {
 }
 
 impl RabbitMqKeys {
-    /// The keys that are set, by name.
+    /// Every key of a RabbitMQ source, in the order `set` reads them.
+    pub const KEYS: [&'static str; 5] = [
+        "queue",
+        "dead_letter_queue",
+        "queue_type",
+        "queue_arguments",
+        "declare",
+    ];
+
+    /// The keys that are set, by name. Every field is named here (no `..`): a new key does
+    /// not compile until it is counted.
     pub fn set(&self) -> Vec<&'static str> {
-        [
-            ("queue", self.queue.is_some()),
-            ("dead_letter_queue", self.dead_letter_queue.is_some()),
-            ("queue_type", self.queue_type.is_some()),
-            ("queue_arguments", self.queue_arguments.is_some()),
-            ("declare", self.declare.is_some()),
-        ]
-        .into_iter()
-        .filter_map(|(key, set)| set.then_some(key))
-        .collect()
+        let RabbitMqKeys {
+            queue,
+            dead_letter_queue,
+            queue_type,
+            queue_arguments,
+            declare,
+        } = self;
+        let set: [bool; Self::KEYS.len()] = [
+            queue.is_some(),
+            dead_letter_queue.is_some(),
+            queue_type.is_some(),
+            queue_arguments.is_some(),
+            declare.is_some(),
+        ];
+        Self::KEYS
+            .into_iter()
+            .zip(set)
+            .filter_map(|(key, set)| set.then_some(key))
+            .collect()
     }
 
     /// The source these keys describe, written in `table`, on `broker` (the `[amqp]` table;
