@@ -25,67 +25,11 @@ pub struct Args {
 impl Args {
     pub async fn run(self) -> anyhow::Result<ExitCode> {
         match self.command {
-            DlqArgs::List {
-                target,
-                filter,
-                json,
-            } => {
-                let config = Config::load(&target.config.config)?;
-                list(
-                    pipeline_named(&config, &target.pipeline)?,
-                    &filter.selection(),
-                    json,
-                )
-                .await
-            }
-            DlqArgs::Show {
-                target,
-                number,
-                json,
-            } => {
-                let config = Config::load(&target.config.config)?;
-                show(pipeline_named(&config, &target.pipeline)?, number, json).await
-            }
-            DlqArgs::Replay {
-                target,
-                filter,
-                dry_run,
-            } => {
-                replay_from(
-                    &target.config.config,
-                    &target.pipeline,
-                    filter.selection(),
-                    dry_run,
-                )
-                .await
-            }
-            DlqArgs::Discard {
-                target,
-                filter,
-                all,
-                dry_run,
-            } => {
-                let config = Config::load(&target.config.config)?;
-                let pipeline = pipeline_named(&config, &target.pipeline)?;
-                discard(pipeline, filter, all, dry_run).await
-            }
-            DlqArgs::Archive {
-                target,
-                filter,
-                to,
-                dry_run,
-            } => {
-                let config = Config::load(&target.config.config)?;
-                let pipeline = pipeline_named(&config, &target.pipeline)?;
-                archive(
-                    &config,
-                    pipeline,
-                    &filter.selection(),
-                    to.as_deref(),
-                    dry_run,
-                )
-                .await
-            }
+            DlqArgs::List(args) => args.run().await,
+            DlqArgs::Show(args) => args.run().await,
+            DlqArgs::Replay(args) => args.run().await,
+            DlqArgs::Discard(args) => args.run().await,
+            DlqArgs::Archive(args) => args.run().await,
         }
     }
 }
@@ -134,66 +78,134 @@ impl DlqFilter {
 
 #[derive(clap::Subcommand)]
 enum DlqArgs {
-    /// List dead letters, oldest first: number, age, error kind, reason, body preview. Every
-    /// message is looked at and returned in its order; nothing is consumed.
-    List {
-        #[command(flatten)]
-        target: DlqTarget,
-        #[command(flatten)]
-        filter: DlqFilter,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Show one dead letter in full: headers, properties and body.
-    Show {
-        #[command(flatten)]
-        target: DlqTarget,
-        /// Its number in `idem dlq list`.
-        number: u64,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Move the matching dead letters to the pipeline's queue (original headers kept, plus
-    /// x-idem-replays); the others stay where they are.
-    Replay {
-        #[command(flatten)]
-        target: DlqTarget,
-        #[command(flatten)]
-        filter: DlqFilter,
-        /// Show what would move; move nothing.
-        #[arg(long)]
-        dry_run: bool,
-    },
-    /// Remove the matching dead letters for good (they will never be replayed). Without a
-    /// filter, --all is required.
-    Discard {
-        #[command(flatten)]
-        target: DlqTarget,
-        #[command(flatten)]
-        filter: DlqFilter,
-        /// Every dead letter of the pipeline.
-        #[arg(long)]
-        all: bool,
-        /// Show what would go; remove nothing.
-        #[arg(long)]
-        dry_run: bool,
-    },
-    /// Keep the matching dead letters in the database's idem_dead_letters table (or --to a
-    /// JSON-lines file), then remove them from the dead-letter queue or stream.
-    Archive {
-        #[command(flatten)]
-        target: DlqTarget,
-        #[command(flatten)]
-        filter: DlqFilter,
-        /// Append them to this file as JSON lines instead of the table.
-        #[arg(long)]
-        to: Option<std::path::PathBuf>,
-        /// Show what would go; write and remove nothing.
-        #[arg(long)]
-        dry_run: bool,
-    },
+    List(ListArgs),
+    Show(ShowArgs),
+    Replay(ReplayArgs),
+    Discard(DiscardArgs),
+    Archive(ArchiveArgs),
+}
+
+/// List dead letters, oldest first: number, age, error kind, reason, body preview. Every
+/// message is looked at and returned in its order; nothing is consumed.
+#[derive(clap::Args)]
+struct ListArgs {
+    #[command(flatten)]
+    target: DlqTarget,
+    #[command(flatten)]
+    filter: DlqFilter,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+impl ListArgs {
+    async fn run(self) -> anyhow::Result<ExitCode> {
+        let config = Config::load(&self.target.config.config)?;
+        let pipeline = pipeline_named(&config, &self.target.pipeline)?;
+        list(pipeline, &self.filter.selection(), self.json).await
+    }
+}
+
+/// Show one dead letter in full: headers, properties and body.
+#[derive(clap::Args)]
+struct ShowArgs {
+    #[command(flatten)]
+    target: DlqTarget,
+    /// Its number in `idem dlq list`.
+    number: u64,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+impl ShowArgs {
+    async fn run(self) -> anyhow::Result<ExitCode> {
+        let config = Config::load(&self.target.config.config)?;
+        let pipeline = pipeline_named(&config, &self.target.pipeline)?;
+        show(pipeline, self.number, self.json).await
+    }
+}
+
+/// Move the matching dead letters to the pipeline's queue (original headers kept, plus
+/// x-idem-replays); the others stay where they are.
+#[derive(clap::Args)]
+struct ReplayArgs {
+    #[command(flatten)]
+    target: DlqTarget,
+    #[command(flatten)]
+    filter: DlqFilter,
+    /// Show what would move; move nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+impl ReplayArgs {
+    async fn run(self) -> anyhow::Result<ExitCode> {
+        let selection = self.filter.selection();
+        replay_from(
+            &self.target.config.config,
+            &self.target.pipeline,
+            selection,
+            self.dry_run,
+        )
+        .await
+    }
+}
+
+/// Remove the matching dead letters for good (they will never be replayed). Without a
+/// filter, --all is required.
+#[derive(clap::Args)]
+struct DiscardArgs {
+    #[command(flatten)]
+    target: DlqTarget,
+    #[command(flatten)]
+    filter: DlqFilter,
+    /// Every dead letter of the pipeline.
+    #[arg(long)]
+    all: bool,
+    /// Show what would go; remove nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+impl DiscardArgs {
+    async fn run(self) -> anyhow::Result<ExitCode> {
+        let config = Config::load(&self.target.config.config)?;
+        let pipeline = pipeline_named(&config, &self.target.pipeline)?;
+        discard(pipeline, self.filter, self.all, self.dry_run).await
+    }
+}
+
+/// Keep the matching dead letters in the database's idem_dead_letters table (or --to a
+/// JSON-lines file), then remove them from the dead-letter queue or stream.
+#[derive(clap::Args)]
+struct ArchiveArgs {
+    #[command(flatten)]
+    target: DlqTarget,
+    #[command(flatten)]
+    filter: DlqFilter,
+    /// Append them to this file as JSON lines instead of the table.
+    #[arg(long)]
+    to: Option<std::path::PathBuf>,
+    /// Show what would go; write and remove nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+impl ArchiveArgs {
+    async fn run(self) -> anyhow::Result<ExitCode> {
+        let config = Config::load(&self.target.config.config)?;
+        let pipeline = pipeline_named(&config, &self.target.pipeline)?;
+        let selection = self.filter.selection();
+        archive(
+            &config,
+            pipeline,
+            &selection,
+            self.to.as_deref(),
+            self.dry_run,
+        )
+        .await
+    }
 }
 
 /// Replays the dead letters `selection` takes of pipeline `pipeline_name` in the config at
