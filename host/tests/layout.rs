@@ -406,3 +406,92 @@ fn no_file_is_longer_than_its_seams() {
     }
     assert!(violations.is_empty(), "{}", violations.join("\n"));
 }
+
+/// The module a path names, as the files of `src/` (`["store", "ledger"]` for
+/// `store/ledger/mod.rs`), with the text of every file in it.
+fn module_texts(source: &Path, files: &[PathBuf]) -> BTreeMap<Vec<String>, String> {
+    let mut texts: BTreeMap<Vec<String>, String> = BTreeMap::new();
+    for file in files {
+        let text = std::fs::read_to_string(file).expect("read");
+        let module = module_path(source, file);
+        // A folder's module holds its children's names too (`source::Delivery` is in
+        // `source/mod.rs`, `source::rabbitmq::Acks` re-exported from `acks.rs`).
+        for depth in 1..=module.len() {
+            texts
+                .entry(module[..depth].to_vec())
+                .or_default()
+                .push_str(&text);
+        }
+    }
+    texts
+}
+
+/// Whether `word` stands in `text` as a whole identifier.
+fn names(text: &str, word: &str) -> bool {
+    text.match_indices(word).any(|(at, _)| {
+        let before = text[..at].chars().next_back();
+        let after = text[at + word.len()..].chars().next();
+        let boundary = |c: Option<char>| !c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+        boundary(before) && boundary(after)
+    })
+}
+
+/// Every `module::item` ARCHITECTURE.md names in backticks exists: its module path (from the
+/// top, or the end of a longer one: `session::GUARD` is `store::session`) and the items after
+/// it in that module's files; a path that starts with a type (`Pipeline::start`) names words
+/// of the host's code.
+#[test]
+fn every_name_architecture_gives_exists() {
+    let (source, files) = every_source();
+    let texts = module_texts(&source, &files);
+    let all: String = texts
+        .iter()
+        .filter(|(module, _)| module.len() == 1)
+        .map(|(_, text)| text.as_str())
+        .collect();
+    let map =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../ARCHITECTURE.md"))
+            .expect("ARCHITECTURE.md");
+    let mut missing = Vec::new();
+    for span in map.split('`').skip(1).step_by(2) {
+        let path = span.split(['(', ' ', '<', '!']).next().unwrap_or_default();
+        let path = path
+            .trim_start_matches("idem_host::")
+            .trim_start_matches("crate::");
+        let segments: Vec<&str> = path.split("::").collect();
+        let is_path = segments.len() > 1
+            && segments.iter().all(|segment| {
+                !segment.is_empty()
+                    && segment
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_')
+            });
+        if !is_path {
+            continue;
+        }
+        // The longest module prefix any module path ends with; the items after it in one of
+        // those modules (`http::triage` is `http/triage.rs`, not `config/http.rs`'s).
+        let found = (1..segments.len()).rev().find_map(|length| {
+            let prefix: Vec<String> = segments[..length].iter().map(|s| s.to_string()).collect();
+            let modules: Vec<&String> = texts
+                .iter()
+                .filter(|(module, _)| module.ends_with(&prefix))
+                .map(|(_, text)| text)
+                .collect();
+            (!modules.is_empty()).then_some((length, modules))
+        });
+        let exists = match found {
+            Some((length, modules)) => modules
+                .iter()
+                .any(|text| segments[length..].iter().all(|item| names(text, item))),
+            None => segments.iter().all(|item| names(&all, item)),
+        };
+        if !exists {
+            missing.push(span.to_string());
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md names what is not there: {missing:?}"
+    );
+}
