@@ -6,12 +6,8 @@
 //! pipeline never stalls, every order is applied once and its receipt delivered with headers
 //! a request can carry, and nothing is dead-lettered or parked.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
 use lapin::BasicProperties;
 use lapin::options::{
     BasicPublishOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
@@ -19,42 +15,11 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use idem_e2e::jetstream::TestStream;
-use idem_e2e::{TestEnv, order, plugin_path, wait_for};
+use idem_e2e::{Deliveries, TestEnv, order, plugin_path, recording_destination, wait_for};
 use idem_host::config::Config;
 
 const ORDERS: i64 = 48;
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-
-/// The `tracestate` each receipt's delivery carried, by idempotency key.
-type Delivered = Arc<Mutex<BTreeMap<String, Vec<String>>>>;
-
-async fn http_destination() -> (u16, Delivered) {
-    async fn receive(State(seen): State<Delivered>, headers: HeaderMap) -> StatusCode {
-        let key = idem_e2e::idempotency_key(&headers)
-            .unwrap_or_default()
-            .to_string();
-        let state = headers
-            .get("tracestate")
-            .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
-            .unwrap_or_default();
-        seen.lock()
-            .expect("seen")
-            .entry(key)
-            .or_default()
-            .push(state);
-        StatusCode::OK
-    }
-    let seen = Delivered::default();
-    let router = axum::Router::new()
-        .route("/receipts", axum::routing::post(receive))
-        .with_state(Arc::clone(&seen));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind destination");
-    let port = listener.local_addr().expect("address").port();
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    (port, seen)
-}
 
 /// A text header of arbitrary bytes.
 fn bytes(value: &[u8]) -> AMQPValue {
@@ -285,7 +250,7 @@ record_receipt = "INSERT INTO receipts (order_id, customer_id, total_cents) VALU
 
 /// Every order applied once, its receipt delivered with a `tracestate` a header can hold,
 /// nothing dead-lettered or parked.
-async fn check_every_order(env: &TestEnv, delivered: &Delivered) {
+async fn check_every_order(env: &TestEnv, delivered: &Deliveries) {
     wait_for("every order applied", Duration::from_secs(90), || async {
         env.count("SELECT count(*) FROM receipts").await == ORDERS
     })
@@ -294,7 +259,7 @@ async fn check_every_order(env: &TestEnv, delivered: &Delivered) {
         "every receipt delivered",
         Duration::from_secs(60),
         || async {
-            delivered.lock().expect("seen").len() as i64 == ORDERS
+            delivered.lock().expect("deliveries").len() as i64 == ORDERS
                 && env
                     .count("SELECT count(*) FROM idem_outbox WHERE delivered_at IS NULL")
                     .await
@@ -312,12 +277,16 @@ async fn check_every_order(env: &TestEnv, delivered: &Delivered) {
         0,
         "a receipt was parked"
     );
-    let delivered = delivered.lock().expect("seen");
+    let delivered = delivered.lock().expect("deliveries");
     for n in 0..ORDERS {
-        let states = delivered
+        let deliveries = delivered
             .get(&format!("receipt:{n}"))
             .unwrap_or_else(|| panic!("receipt {n} not delivered: {delivered:?}"));
-        for state in states {
+        for headers in deliveries {
+            let state = headers
+                .get("tracestate")
+                .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
+                .unwrap_or_default();
             assert!(
                 state.len() <= 512 && state.bytes().all(|byte| (0x20..0x7f).contains(&byte)),
                 "receipt {n} carried tracestate {state:?}"
@@ -328,7 +297,7 @@ async fn check_every_order(env: &TestEnv, delivered: &Delivered) {
 
 async fn rabbitmq(batch: usize) {
     let env = TestEnv::new(&format!("hostile_amqp_{batch}")).await;
-    let (port, delivered) = http_destination().await;
+    let (port, delivered) = recording_destination().await;
     let source = format!(
         "{{ kind = \"rabbitmq\", queue = \"{}\", dead_letter_queue = \"{}\" }}",
         env.queue, env.dead_letter_queue
@@ -361,7 +330,7 @@ async fn rabbitmq(batch: usize) {
 async fn jetstream(batch: usize) {
     let env = TestEnv::new(&format!("hostile_js_{batch}")).await;
     let stream = TestStream::new(&env.queue).await;
-    let (port, delivered) = http_destination().await;
+    let (port, delivered) = recording_destination().await;
     let source = format!(
         "{{ kind = \"jetstream\", servers = [\"{}\"], stream = \"{}\", subject = \"{}.>\", \
          dead_letter_subject = \"{}\", dead_letter_stream = \"{}\" }}",

@@ -415,15 +415,7 @@ async fn a_crash_after_commit_before_the_ack_doubles_nothing() {
 async fn a_transaction_slower_than_ack_wait_is_applied_once() {
     for in_progress in [false, true] {
         let env = TestEnv::new(&format!("js_slow_{in_progress}")).await;
-        sqlx::raw_sql(
-            "CREATE FUNCTION slow_credit() RETURNS trigger LANGUAGE plpgsql AS \
-               $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$; \
-             CREATE TRIGGER slow_credit BEFORE INSERT ON point_ledger \
-               FOR EACH ROW EXECUTE FUNCTION slow_credit();",
-        )
-        .execute(&env.pool)
-        .await
-        .expect("slow trigger");
+        env.slow_ledger("true", 3.0).await;
         let stream = TestStream::new(&env.queue).await;
         let text = config_text(
             &env,

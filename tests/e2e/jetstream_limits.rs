@@ -21,19 +21,6 @@ fn write(env: &TestEnv, text: &str) -> std::path::PathBuf {
     path
 }
 
-/// Makes `point_ledger` rows whose `condition` holds take `seconds` to insert.
-async fn slow_ledger(env: &TestEnv, condition: &str, seconds: u32) {
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE FUNCTION slow_credit() RETURNS trigger LANGUAGE plpgsql AS \
-           $$ BEGIN IF {condition} THEN PERFORM pg_sleep({seconds}); END IF; RETURN NEW; END $$; \
-         CREATE TRIGGER slow_credit BEFORE INSERT ON point_ledger \
-           FOR EACH ROW EXECUTE FUNCTION slow_credit();"
-    )))
-    .execute(&env.pool)
-    .await
-    .expect("slow trigger");
-}
-
 /// An operator's consumer that allows no more deliveries than `max_attempts`: `idem run` and
 /// `idem check` refuse it, naming the setting, instead of running into abandoned messages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -62,7 +49,7 @@ async fn an_operators_consumer_with_too_few_deliveries_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operators_consumer_is_kept_in_progress_at_its_own_ack_wait() {
     let env = TestEnv::new("js_operator_ack_wait").await;
-    slow_ledger(&env, "true", 3).await;
+    env.slow_ledger("true", 3.0).await;
     let stream = TestStream::new(&env.queue).await;
     stream
         .operator_consumer("idem-loyalty", -1, Duration::from_secs(1))
@@ -182,7 +169,7 @@ async fn a_dead_letter_that_cannot_be_stored_on_the_last_delivery_is_kept() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_last_delivery_not_started_at_a_stop_is_dead_lettered() {
     let env = TestEnv::new("js_unstarted_last").await;
-    slow_ledger(&env, "NEW.order_id = 1", 4).await;
+    env.slow_ledger("NEW.order_id = 1", 4.0).await;
     let stream = TestStream::new(&env.queue).await;
     let text = config_text(
         &env,

@@ -60,12 +60,7 @@ async fn serve_endpoint() -> (u16, Shared) {
     let router = Router::new()
         .route("/receipts", post(receive))
         .with_state(Arc::clone(&shared));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind endpoint");
-    let port = listener.local_addr().expect("endpoint address").port();
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    (port, shared)
+    (idem_e2e::serve_locally(router).await, shared)
 }
 
 pub(crate) fn receipts_config(env: &TestEnv, destination: &str) -> String {

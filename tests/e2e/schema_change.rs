@@ -316,15 +316,7 @@ async fn a_fault_pause_gives_back_what_it_holds_in_batches() {
 /// "dead-letter"`, back to the end of the queue by default.
 async fn a_message_that_always_times_out(name: &str, on_timeout: &str) {
     let env = TestEnv::new(name).await;
-    sqlx::raw_sql(
-        "CREATE FUNCTION slow_seven() RETURNS trigger LANGUAGE plpgsql AS \
-           $$ BEGIN IF NEW.order_id = 7 THEN PERFORM pg_sleep(1); END IF; RETURN NEW; END $$; \
-         CREATE TRIGGER slow_seven BEFORE INSERT ON point_ledger \
-           FOR EACH ROW EXECUTE FUNCTION slow_seven();",
-    )
-    .execute(&env.pool)
-    .await
-    .expect("slow trigger");
+    env.slow_ledger("NEW.order_id = 7", 1.0).await;
     let extra = format!(
         "[pipelines.loyalty.batch]\nsize = 16\n\n[pipelines.loyalty.transaction]\n\
          statement_timeout = \"200ms\"\ntimeouts = 3\n{on_timeout}"

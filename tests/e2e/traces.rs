@@ -4,14 +4,12 @@
 //! variables) and HTTP/protobuf (by the `[traces]` table).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 
 use idem_e2e::otlp::{OtlpReceiver, ReceivedSpan, Transport};
-use idem_e2e::{TestEnv, order, publish_with_headers, spawn_idem, wait_for};
+use idem_e2e::{TestEnv, order, publish_with_headers, recording_destination, spawn_idem, wait_for};
 
 const CONSUMER: i32 = 5;
 const PRODUCER: i32 = 4;
@@ -37,38 +35,6 @@ const NOT_SAMPLED: Produced = Produced {
     trace_id: "0af7651916cd43dd8448eb211c80319c",
     span_id: "b7ad6b7169203331",
 };
-
-/// The `traceparent` and `tracestate` each delivery carried, by idempotency key.
-type Seen = Arc<Mutex<BTreeMap<String, (String, String)>>>;
-
-async fn http_destination() -> (u16, Seen) {
-    async fn receive(State(seen): State<Seen>, headers: HeaderMap) -> StatusCode {
-        let text = |name: &str| {
-            headers
-                .get(name)
-                .and_then(|value| value.to_str().ok())
-                .unwrap_or_default()
-                .to_string()
-        };
-        let key = idem_e2e::idempotency_key(&headers)
-            .unwrap_or_default()
-            .to_string();
-        seen.lock()
-            .expect("seen")
-            .insert(key, (text("traceparent"), text("tracestate")));
-        StatusCode::OK
-    }
-    let seen = Seen::default();
-    let router = axum::Router::new()
-        .route("/receipts", axum::routing::post(receive))
-        .with_state(Arc::clone(&seen));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind destination");
-    let port = listener.local_addr().expect("address").port();
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    (port, seen)
-}
 
 /// Publishes the three orders of the scenario: one in a sampled trace (with vendor state),
 /// one in a trace the producer did not sample, one with no trace (its span is a root), and
@@ -178,7 +144,7 @@ fn check_links(spans: &[ReceivedSpan], delivered: &BTreeMap<String, (String, Str
 async fn a_trace_runs_from_the_producer_through_idem_to_an_http_delivery_over_grpc() {
     let env = TestEnv::new("traces_grpc").await;
     let receiver = OtlpReceiver::start(Transport::Grpc).await;
-    let (port, delivered) = http_destination().await;
+    let (port, delivered) = recording_destination().await;
     let config = std::env::temp_dir().join(format!("{}.toml", env.database));
     std::fs::write(
         &config,
@@ -202,11 +168,30 @@ async fn a_trace_runs_from_the_producer_through_idem_to_an_http_delivery_over_gr
     );
     publish_orders(&env).await;
     wait_for("4 receipts delivered", Duration::from_secs(60), || async {
-        delivered.lock().expect("seen").len() == 4
+        delivered.lock().expect("deliveries").len() == 4
     })
     .await;
     assert!(host.terminate().success(), "idem exits cleanly");
-    let delivered = delivered.lock().expect("seen").clone();
+    // The context each receipt's last delivery carried.
+    let text = |headers: &HeaderMap, name: &str| {
+        headers
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    let delivered: BTreeMap<String, (String, String)> = delivered
+        .lock()
+        .expect("deliveries")
+        .iter()
+        .filter_map(|(key, deliveries)| {
+            let last = deliveries.last()?;
+            Some((
+                key.clone(),
+                (text(last, "traceparent"), text(last, "tracestate")),
+            ))
+        })
+        .collect();
     check_links(&receiver.spans(), &delivered);
     env.cleanup().await;
 }

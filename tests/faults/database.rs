@@ -103,15 +103,7 @@ async fn cancelled_queries_dead_letter_nothing() {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new("fault_cancel").await;
     // Each credit takes 20 ms, so the host always has a query running to cancel.
-    sqlx::raw_sql(
-        "CREATE FUNCTION slow_credit() RETURNS trigger LANGUAGE plpgsql AS \
-           $$ BEGIN PERFORM pg_sleep(0.02); RETURN NEW; END $$; \
-         CREATE TRIGGER slow_credit BEFORE INSERT ON point_ledger \
-           FOR EACH ROW EXECUTE FUNCTION slow_credit();",
-    )
-    .execute(&env.pool)
-    .await
-    .expect("slow trigger");
+    env.slow_ledger("true", 0.02).await;
     let metrics = Arc::new(Metrics::new());
     let host = env.start_host_with_metrics(
         env.config("loyalty", "[pipelines.loyalty.batch]\nsize = 1"),

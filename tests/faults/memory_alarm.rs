@@ -61,15 +61,7 @@ async fn a_memory_alarm_loses_and_doubles_nothing() {
     }
     drop(publisher);
     // Each good order takes 0.2 s to apply, so the host is still at it when the alarm rises.
-    sqlx::raw_sql(
-        "CREATE FUNCTION slow_credit() RETURNS trigger LANGUAGE plpgsql AS \
-           $$ BEGIN PERFORM pg_sleep(0.2); RETURN NEW; END $$; \
-         CREATE TRIGGER slow_credit BEFORE INSERT ON point_ledger \
-           FOR EACH ROW EXECUTE FUNCTION slow_credit();",
-    )
-    .execute(&env.pool)
-    .await
-    .expect("slow trigger");
+    env.slow_ledger("true", 0.2).await;
     let good = ORDERS - (0..ORDERS).filter(|id| malformed(*id)).count() as i64;
     let host = env.start_host(config());
     wait_for(

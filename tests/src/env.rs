@@ -304,6 +304,20 @@ impl TestEnv {
         drained
     }
 
+    /// Makes inserts of `point_ledger` rows for which `condition` holds (a PL/pgSQL
+    /// expression over `NEW`; `"true"` for every row) take `seconds`: a slow effect.
+    pub async fn slow_ledger(&self, condition: &str, seconds: f64) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE FUNCTION slow_credit() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN IF {condition} THEN PERFORM pg_sleep({seconds}); END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER slow_credit BEFORE INSERT ON point_ledger \
+               FOR EACH ROW EXECUTE FUNCTION slow_credit();"
+        )))
+        .execute(&self.pool)
+        .await
+        .expect("slow trigger");
+    }
+
     pub async fn count(&self, sql: &str) -> i64 {
         count(&self.pool, sql).await
     }

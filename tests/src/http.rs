@@ -1,5 +1,44 @@
-//! Plain HTTP/1.1 for tests: requests to a host's listener, and the key an outbox delivery
-//! carries.
+//! Plain HTTP/1.1 for tests: requests to a host's listener; outbox destinations on loopback
+//! and the key a delivery carries.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+
+/// Serves `router` on a free loopback port for the rest of the test; its port.
+pub async fn serve_locally(router: axum::Router) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind a loopback port");
+    let port = listener.local_addr().expect("address").port();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    port
+}
+
+/// What a recording destination received: the headers of every delivery, by idempotency
+/// key, in the order they came.
+pub type Deliveries = Arc<Mutex<BTreeMap<String, Vec<HeaderMap>>>>;
+
+/// An outbox HTTP destination that accepts every `POST /receipts` and records its headers;
+/// its port and what it received.
+pub async fn recording_destination() -> (u16, Deliveries) {
+    async fn receive(State(seen): State<Deliveries>, headers: HeaderMap) -> StatusCode {
+        let key = idempotency_key(&headers).unwrap_or_default().to_string();
+        seen.lock()
+            .expect("deliveries")
+            .entry(key)
+            .or_default()
+            .push(headers);
+        StatusCode::OK
+    }
+    let seen = Deliveries::default();
+    let router = axum::Router::new()
+        .route("/receipts", axum::routing::post(receive))
+        .with_state(Arc::clone(&seen));
+    (serve_locally(router).await, seen)
+}
 
 /// The `Idempotency-Key` an outbox delivery carried, if any.
 pub fn idempotency_key(headers: &axum::http::HeaderMap) -> Option<&str> {

@@ -227,12 +227,7 @@ pub async fn run(profile: Profile) -> Report {
         let router = Router::new()
             .route("/receipts", post(receive))
             .with_state(Arc::clone(&endpoint));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the outbox endpoint");
-        let port = listener.local_addr().expect("address").port();
-        tokio::spawn(async move { axum::serve(listener, router).await });
-        port
+        crate::serve_locally(router).await
     };
 
     // The natural pipeline's consumer is an operator's (`declare = false`), with a low

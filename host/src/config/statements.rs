@@ -71,7 +71,9 @@ fn session_change(sql: &str) -> Option<String> {
         }
     }
     for arguments in calls(&lower, "set_config") {
-        let is_local = top_level_arguments(arguments).nth(2).map(str::trim);
+        let is_local = top_level_arguments(arguments)
+            .get(2)
+            .map(|argument| argument.trim());
         if is_local != Some("true") {
             return Some("set_config() with is_local not true sets it for the session".into());
         }
@@ -152,7 +154,7 @@ fn calls<'a>(code: &'a str, function: &'a str) -> impl Iterator<Item = &'a str> 
 }
 
 /// The arguments of a call, split at its top-level commas.
-fn top_level_arguments(arguments: &str) -> impl Iterator<Item = &str> {
+fn top_level_arguments(arguments: &str) -> Vec<&str> {
     let mut depth = 0usize;
     let mut start = 0;
     let mut parts = Vec::new();
@@ -168,7 +170,7 @@ fn top_level_arguments(arguments: &str) -> impl Iterator<Item = &str> {
         }
     }
     parts.push(&arguments[start..]);
-    parts.into_iter()
+    parts
 }
 
 #[cfg(test)]

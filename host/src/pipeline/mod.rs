@@ -313,12 +313,9 @@ impl Pipeline {
     /// Follows this pipeline's recorded pause (`None`: no record), read after `reading`:
     /// pauses or resumes it, unless an operator did either since.
     pub(crate) fn follow_record(&self, reading: Reading, record: Option<OperatorPause>) {
-        let pause = record.clone();
         match self.operator_pause.follow_record(reading, record) {
-            Followed::Paused => {
-                self.operator_paused_says(&pause.expect("recorded"), true);
-            }
-            Followed::Resumed(_) => self.operator_resumed_says(),
+            Followed::Paused(pause) => self.operator_paused_says(&pause, true),
+            Followed::Resumed => self.operator_resumed_says(),
             Followed::Nothing => {}
         }
     }

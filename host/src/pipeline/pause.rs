@@ -61,8 +61,9 @@ pub(crate) struct Reading {
 /// What following a recorded pause did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Followed {
-    Paused,
-    Resumed(OperatorPause),
+    /// Paused by the record, as given.
+    Paused(OperatorPause),
+    Resumed,
     Nothing,
 }
 
@@ -124,11 +125,12 @@ impl OperatorSwitch {
             let persistent = state.pause.as_ref().is_some_and(|pause| pause.persistent);
             match record {
                 Some(record) if !persistent => {
-                    state.pause = Some(record);
-                    followed = Followed::Paused;
+                    state.pause = Some(record.clone());
+                    followed = Followed::Paused(record);
                 }
                 None if persistent => {
-                    followed = Followed::Resumed(state.pause.take().expect("paused"));
+                    state.pause = None;
+                    followed = Followed::Resumed;
                 }
                 _ => return false,
             }
@@ -268,12 +270,9 @@ mod tests {
     fn records_pause_and_resume_what_they_recorded_only() {
         let switch = OperatorSwitch::default();
         let followed = switch.follow_record(switch.read(), Some(pause(true)));
-        assert_eq!(followed, Followed::Paused);
+        assert!(matches!(followed, Followed::Paused(ref pause) if pause.persistent));
         assert!(switch.current().is_some_and(|pause| pause.persistent));
-        assert!(matches!(
-            switch.follow_record(switch.read(), None),
-            Followed::Resumed(_)
-        ));
+        assert_eq!(switch.follow_record(switch.read(), None), Followed::Resumed);
         assert_eq!(switch.current(), None);
 
         // A pause on this host only is not the records' to end.
