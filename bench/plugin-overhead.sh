@@ -6,7 +6,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 scripts/build-plugins.sh >/dev/null
 plugins=()
-for name in loyalty loyalty-py loyalty-js; do
+for name in loyalty loyalty-py loyalty-js loyalty-c; do
   [ -f "plugins/dist/$name.wasm" ] && plugins+=("plugins/dist/$name.wasm")
 done
 cargo run --quiet --release -p idem-bench --bin plugin-overhead -- "${plugins[@]}"

@@ -167,12 +167,12 @@ if [ "$BUILD" = 1 ]; then
   say "building idem, idem-traffic, raw-consume and streams (release) and the plugins"
   cargo build --release -p idem-host --bin idem -p idem-e2e --bin idem-traffic -p idem-bench --bin raw-consume --bin streams --bin delay-proxy ||
     die "cargo build --release failed (see above); BUILD=0 reuses the binaries in target/release"
-  scripts/build-plugins.sh >/dev/null || die "scripts/build-plugins.sh failed (see above)"
+  IDEM="$idem" scripts/build-plugins.sh >/dev/null || die "scripts/build-plugins.sh failed (see above)"
 fi
 [ -x "$idem" ] || die "$idem is missing; build it with: cargo build --release -p idem-host --bin idem"
 for entry in $PLUGIN; do
   [ -f "$root/plugins/dist/${entry%@*}.wasm" ] ||
-    die "plugins/dist/${entry%@*}.wasm is missing; build it with: scripts/build-plugins.sh (Python: pip install componentize-py==0.25.1; JavaScript: cd plugins/loyalty-js && npm ci)"
+    die "plugins/dist/${entry%@*}.wasm is missing; build it with: scripts/build-plugins.sh (Python: pip install componentize-py==0.25.1; JavaScript: apt install nodejs npm; C: apt install clang lld wasi-libc libclang-rt-14-dev-wasm32)"
 done
 if [[ " $BASELINES " == *" raw "* ]] && [ ! -x "$raw_consume" ]; then
   die "$raw_consume is missing; build it with: cargo build --release -p idem-bench --bin raw-consume"

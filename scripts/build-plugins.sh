@@ -1,27 +1,26 @@
 #!/usr/bin/env bash
-# Builds every plugin into plugins/dist/<name>.wasm:
-#   Rust (plugins/<name>/Cargo.toml)  with cargo for wasm32-wasip2,
-#   Python (plugins/loyalty-py)       with componentize-py,
-#   JavaScript (plugins/loyalty-js)   with componentize-js (npm).
-# A missing Python or JavaScript toolchain skips that plugin with the command that installs it
-# (the tests that need it then fail with the same message); IDEM_REQUIRE_ALL_PLUGINS=1 makes
-# it an error. Outputs are replaced by rename, so a host watching a file never reads half of it.
+# Builds every plugin in plugins/ into plugins/dist/<directory>.wasm with `idem build`, as a
+# plugin's author builds one: Rust crates (cargo for wasm32-wasip2), Python (componentize-py),
+# JavaScript (componentize-js) and C (clang for wasm32-wasi).
+# The idem binary is $IDEM, or this checkout's debug build (built here when missing).
+# A missing Python, JavaScript or C toolchain skips that plugin with the command that installs
+# it (the tests that need it then fail with the same message); IDEM_REQUIRE_ALL_PLUGINS=1
+# makes it an error. `idem build` replaces each output by rename, so a host watching a file
+# never reads half of it.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dist="$root/plugins/dist"
 mkdir -p "$dist"
 
-install() { # install <built file> <name>
-  local target="$dist/$2.wasm"
-  if ! cmp -s "$1" "$target"; then
-    cp -p "$1" "$target.tmp" && mv -f "$target.tmp" "$target"
-  fi
-}
+if [ -z "${IDEM:-}" ]; then
+  cargo build --quiet --manifest-path "$root/Cargo.toml" -p idem-host --bin idem
+  IDEM="${CARGO_TARGET_DIR:-$root/target}/debug/idem"
+fi
 
 up_to_date() { # up_to_date <output> <inputs...>: true when output is newer than every input
   local output="$1"; shift
   [ -f "$output" ] || return 1
-  [ -z "$(find "$@" -newer "$output" -print -quit 2>/dev/null)" ]
+  [ -z "$(find -L "$@" -newer "$output" -print -quit 2>/dev/null)" ]
 }
 
 missing() { # missing <what> <install command>
@@ -29,41 +28,47 @@ missing() { # missing <what> <install command>
   if [ "${IDEM_REQUIRE_ALL_PLUGINS:-0}" = 1 ]; then exit 1; fi
 }
 
-# --- Rust -----------------------------------------------------------------------------------
+build() { # build <plugin directory>: plugins/dist/<directory>.wasm
+  "$IDEM" build "$1" --output "$dist/$(basename "$1").wasm" >/dev/null
+}
+
+# --- Rust: every cdylib crate of the plugins' workspace (cargo rebuilds only what changed) ---
 if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2; then
   echo "build-plugins: the wasm32-wasip2 target is missing; install it with: rustup target add wasm32-wasip2" >&2
   exit 1
 fi
-# A build script calling us must not leak its cargo settings into this separate build.
-unset CARGO_TARGET_DIR CARGO_BUILD_TARGET RUSTFLAGS CARGO_ENCODED_RUSTFLAGS RUSTC_WORKSPACE_WRAPPER
-cargo build --quiet --release --target wasm32-wasip2 \
-  --manifest-path "$root/plugins/Cargo.toml" --target-dir "$root/plugins/target"
-for wasm in "$root"/plugins/target/wasm32-wasip2/release/*.wasm; do
-  name="$(basename "$wasm" .wasm)"
-  install "$wasm" "${name//_/-}" # cargo writes lib names with underscores
+for manifest in "$root"/plugins/*/Cargo.toml; do
+  grep -q 'crate-type *= *\["cdylib"\]' "$manifest" && build "$(dirname "$manifest")"
 done
 
 # --- Python ---------------------------------------------------------------------------------
 python_dir="$root/plugins/loyalty-py"
-if up_to_date "$dist/loyalty-py.wasm" "$python_dir/app.py" "$root/plugins/idem-py/idem.py" "$root/wit"; then
+if up_to_date "$dist/loyalty-py.wasm" "$python_dir" "$root/plugins/idem-py" "$root/wit"; then
   :
 elif command -v componentize-py >/dev/null; then
-  componentize-py -d "$root/wit" -w plugin componentize --stub-wasi \
-    -p "$python_dir" -p "$root/plugins/idem-py" app -o "$dist/loyalty-py.wasm.build" >/dev/null
-  mv -f "$dist/loyalty-py.wasm.build" "$dist/loyalty-py.wasm"
+  build "$python_dir"
 else
   missing "plugins/loyalty-py" "pip install componentize-py==0.25.1"
 fi
 
 # --- JavaScript -----------------------------------------------------------------------------
 js_dir="$root/plugins/loyalty-js"
-if up_to_date "$dist/loyalty-js.wasm" "$js_dir/loyalty.js" "$js_dir/build.mjs" "$root/plugins/idem-js/idem.js" "$root/wit"; then
+if up_to_date "$dist/loyalty-js.wasm" "$js_dir/loyalty.js" "$js_dir/build.mjs" "$js_dir/package-lock.json" "$root/plugins/idem-js" "$root/wit"; then
   :
-elif command -v node >/dev/null && [ -d "$js_dir/node_modules/@bytecodealliance/componentize-js" ]; then
-  node "$js_dir/build.mjs" "$dist/loyalty-js.wasm.build" >/dev/null
-  mv -f "$dist/loyalty-js.wasm.build" "$dist/loyalty-js.wasm"
+elif command -v node >/dev/null && command -v npm >/dev/null; then
+  build "$js_dir"
 else
-  missing "plugins/loyalty-js" "(cd plugins/loyalty-js && npm ci)"
+  missing "plugins/loyalty-js" "apt install nodejs npm"
+fi
+
+# --- C --------------------------------------------------------------------------------------
+c_dir="$root/plugins/loyalty-c"
+if up_to_date "$dist/loyalty-c.wasm" "$c_dir/loyalty.c" "$c_dir/idem.toml" "$root/plugins/idem-c" "$root/wit"; then
+  :
+elif command -v clang >/dev/null; then
+  build "$c_dir"
+else
+  missing "plugins/loyalty-c" "apt install clang lld wasi-libc libclang-rt-14-dev-wasm32"
 fi
 
 ls "$dist"

@@ -19,9 +19,9 @@ if ! rustup target list --installed | grep -qx wasm32-wasip2; then
   rustup target add wasm32-wasip2
 fi
 echo "demo: building idem and the loyalty plugin"
-scripts/build-plugins.sh >/dev/null
 cargo build --quiet -p idem-host --bin idem -p idem-e2e --bin idem-traffic
 idem="$root/target/debug/idem"
+IDEM="$idem" scripts/build-plugins.sh >/dev/null
 
 echo "demo: fresh database idem_demo, empty queues"
 psql "$admin_url" -q -c "DROP DATABASE IF EXISTS idem_demo WITH (FORCE)" -c "CREATE DATABASE idem_demo"

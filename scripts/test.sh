@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The test command: services up, toolchains (Rust, Python, JavaScript, C and C++ for wasm), Chromium,
-# PgBouncer, pg_auto_failover and Prometheus installed,
-# plugins built (by tests/build.rs), every test against real PostgreSQL, RabbitMQ and NATS
-# JetStream. Extra arguments go to `cargo test`.
+# The test command: services up, toolchains (Rust, Python, JavaScript, C and C++ for wasm),
+# Chromium, PgBouncer, pg_auto_failover and Prometheus installed, the plugins built (by
+# scripts/build-plugins.sh through `idem build`), then every test against real PostgreSQL,
+# RabbitMQ and NATS JetStream. Extra arguments go to `cargo test`.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -41,6 +41,8 @@ fi
 if [ ! -d "$root/tests/console/node_modules" ]; then
   (cd "$root/tests/console" && npm ci --no-audit --no-fund --loglevel=error)
 fi
-# The crash tests run the real binary; build it before the tests look for it.
+# The crash tests run the real binary, and every plugin the tests load is built with it
+# (`idem build`, as a plugin's author builds one).
 cargo build -p idem-host --bin idem
+IDEM="${CARGO_TARGET_DIR:-$root/target}/debug/idem" "$root/scripts/build-plugins.sh" >/dev/null
 cargo test --workspace "$@"

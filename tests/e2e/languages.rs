@@ -1,5 +1,6 @@
-//! Plugins in any language: the loyalty consumer in Rust, Python and JavaScript must decide
-//! identically (the conformance corpus), and serve a pipeline interchangeably.
+//! Plugins in any language: the loyalty consumer in Rust, Python, JavaScript and C (each built
+//! by `idem build`, through `scripts/build-plugins.sh`) must decide identically (the
+//! conformance corpus), and serve a pipeline interchangeably.
 
 use std::path::Path;
 use std::process::Command;
@@ -15,35 +16,6 @@ use idem_host::sandbox::cache::Compiled;
 use idem_host::telemetry::metrics::Metrics;
 
 const LOYALTY_PLUGINS: [&str; 4] = ["loyalty", "loyalty-py", "loyalty-js", "loyalty-c"];
-
-/// A plugin of the suite; a missing non-Rust build fails only the tests that need it.
-fn require_plugin(name: &str) -> std::path::PathBuf {
-    if name == "loyalty-c" {
-        return loyalty_c();
-    }
-    let path = plugin_path(name);
-    assert!(
-        path.is_file(),
-        "{} is missing: its toolchain was not installed when the plugins were built. \
-         Python: pip install componentize-py==0.25.1; JavaScript: (cd plugins/loyalty-js && npm ci); \
-         then scripts/build-plugins.sh",
-        path.display()
-    );
-    path
-}
-
-/// The C build of loyalty, made by `idem build` (once per test run) as a C plugin's author
-/// makes it: clang for wasm32-wasi, then a component, all by the idem binary.
-fn loyalty_c() -> std::path::PathBuf {
-    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let project = Path::new(REPO_ROOT).join("plugins/loyalty-c");
-            idem_e2e::must_run(Command::new(idem_binary()).arg("build").arg(&project));
-            project.join("loyalty-c.wasm")
-        })
-        .clone()
-}
 
 const CORPUS: &str = "tests/conformance/loyalty.json";
 
@@ -63,7 +35,7 @@ async fn every_loyalty_plugin_passes_the_conformance_corpus() {
     let mut failures = Vec::new();
     let mut outcomes_by_plugin = Vec::new();
     for plugin_name in LOYALTY_PLUGINS {
-        let path = require_plugin(plugin_name);
+        let path = plugin_path(plugin_name);
         let tested = Command::new(idem_binary())
             .args(["test", "--plugin"])
             .arg(&path)
@@ -144,8 +116,8 @@ async fn every_loyalty_plugin_passes_the_conformance_corpus() {
 /// credits 1,000 orders delivered with duplicates exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_then_javascript_serve_the_demo_pipeline_exactly_once() {
-    let python = require_plugin("loyalty-py");
-    let javascript = require_plugin("loyalty-js");
+    let python = plugin_path("loyalty-py");
+    let javascript = plugin_path("loyalty-js");
     let env = TestEnv::new("languages").await;
     let directory = std::env::temp_dir().join(format!("{}-plugins", env.database));
     std::fs::create_dir_all(&directory).expect("plugin dir");
@@ -255,7 +227,7 @@ async fn compiled_plugins_are_cached_verified_and_rebuilt() {
                 let runtime = PluginRuntime::build(Some(directory), None).expect("runtime");
                 let started = std::time::Instant::now();
                 let plugin = runtime
-                    .load(&require_plugin(plugin_name))
+                    .load(&plugin_path(plugin_name))
                     .unwrap_or_else(|error| panic!("{plugin_name}: {error}"));
                 (runtime, plugin, started.elapsed())
             })

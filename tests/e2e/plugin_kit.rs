@@ -352,9 +352,12 @@ async fn new_build_test_serve(language: &str) {
 
     let logs = add_a_log_line(language, &project);
 
+    // From the project's parent, naming it relatively: every toolchain runs inside the
+    // project, and the output must still land beside its files.
     let built = Command::new(idem_binary())
         .arg("build")
-        .current_dir(&project)
+        .arg(&name)
+        .current_dir(&workspace)
         .output()
         .expect("idem build");
     assert!(

@@ -27,7 +27,16 @@ pub(super) const EXAMPLE_SCHEMAS: [&str; 3] = [
 
 /// A plugin built from `plugins/<name>`.
 pub fn plugin_path(name: &str) -> PathBuf {
-    Path::new(PLUGIN_DIST).join(format!("{name}.wasm"))
+    let path = Path::new(PLUGIN_DIST).join(format!("{name}.wasm"));
+    assert!(
+        path.is_file(),
+        "{} is missing: build the plugins with scripts/build-plugins.sh (scripts/test.sh does, \
+         then runs the tests); a Python, JavaScript or C plugin also needs its toolchain: \
+         pip install componentize-py==0.25.1; apt install nodejs npm; \
+         apt install clang lld wasi-libc libclang-rt-14-dev-wasm32",
+        path.display()
+    );
+    path
 }
 
 /// A database where the test may create and drop databases.

@@ -2,15 +2,15 @@
 
 //!
 //! One file per command, each with its `Args` and their `run`; `dispatch` is one line per
-//! command. `scaffold` (the plugin project templates), `table` (plain-text tables) and
+//! command. `kit` (the plugin languages: project files and builds), `table` (plain-text tables) and
 //! `trial`'s pipeline and statement lookups serve several commands.
 
 mod build;
 mod check;
-mod clang;
 mod cleanup;
 mod completions;
 mod dlq;
+mod kit;
 mod lookup;
 mod migrate;
 mod new;
@@ -19,7 +19,6 @@ mod partition;
 mod pause;
 mod replay;
 mod run;
-mod scaffold;
 mod schema;
 mod status;
 mod table;

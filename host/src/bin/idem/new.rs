@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use crate::scaffold::{self, Language};
+use crate::kit::{self, Language};
 
 /// Write a new plugin project in DIR (named after it): the handler, the guest helper, the
 /// WIT, pinned build files, cases.json, a pipeline fragment and a README.
@@ -16,6 +16,6 @@ pub struct Args {
 
 impl Args {
     pub fn run(self) -> anyhow::Result<ExitCode> {
-        scaffold::new(self.language, &self.directory)
+        kit::new(self.language, &self.directory)
     }
 }

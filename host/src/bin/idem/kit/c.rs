@@ -1,43 +1,125 @@
-//! `idem build` for C and C++ plugin projects: C bindings generated from the project's `wit/`
-//! (wit-bindgen's C generator, in this binary), every source compiled and linked by clang for
-//! `wasm32-wasi` (Debian's `clang`, `lld` and `wasi-libc`, or a WASI SDK named by
-//! `WASI_SYSROOT`), and the core module made a component with the contract embedded and
-//! wasmtime's WASI preview-1 adapter (also in this binary). Nothing is downloaded.
+//! C and C++ plugins: an `idem.toml` naming the sources, compiled by clang for `wasm32-wasi`
+//! (Debian's `clang`, `lld` and `wasi-libc`, or a WASI SDK named by `WASI_SYSROOT`) with C
+//! bindings generated from the project's `wit/` (wit-bindgen's C generator, in this binary),
+//! and the core module made a component with the contract embedded and wasmtime's WASI
+//! preview-1 adapter (also in this binary). Nothing is downloaded.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, bail};
 
+use super::{Kit, Language, ProjectFile};
+
+const C_HANDLER: &str = include_str!("../../../../templates/c/plugin.c");
+const CPP_HANDLER: &str = include_str!("../../../../templates/cpp/plugin.cpp");
+const HELPER: &str = include_str!("../../../../../plugins/idem-c/idem.h");
+const PROJECT: &str = include_str!("../../../../templates/c/idem.toml");
+
+/// The manifest of a C or C++ project.
+const MANIFEST_FILE: &str = "idem.toml";
+
+/// The two languages clang builds here.
+pub enum Clang {
+    C,
+    Cpp,
+}
+
+/// A directory with an `idem.toml` is a C or C++ project (its `plugin.language`), named by
+/// `plugin.name`.
+pub fn recognise(directory: &Path) -> anyhow::Result<Option<(Language, String)>> {
+    if !directory.join(MANIFEST_FILE).is_file() {
+        return Ok(None);
+    }
+    let manifest = Manifest::read(directory)?;
+    let language = if manifest.is_cpp() {
+        Language::Cpp
+    } else {
+        Language::C
+    };
+    Ok(Some((language, manifest.plugin.name)))
+}
+
+impl Kit for Clang {
+    fn label(&self) -> &'static str {
+        match self {
+            Clang::C => "C",
+            Clang::Cpp => "C++",
+        }
+    }
+
+    fn files(&self, _name: &str) -> Vec<ProjectFile> {
+        let (handler, source, language) = match self {
+            Clang::C => ("plugin.c", C_HANDLER, "c"),
+            Clang::Cpp => ("plugin.cpp", CPP_HANDLER, "cpp"),
+        };
+        let manifest = PROJECT
+            .replace("{{language}}", language)
+            .replace("{{source}}", handler);
+        vec![
+            ProjectFile::new(handler, source, "the handler"),
+            ProjectFile::new(
+                "idem.h",
+                HELPER,
+                "the guest helper (JSON field access, builders; C and C++)",
+            ),
+            ProjectFile::new(
+                MANIFEST_FILE,
+                manifest,
+                "what `idem build` compiles, and extra compiler flags",
+            ),
+            ProjectFile::new(".gitignore", format!("{BINDINGS}/\n*.wasm\n"), ""),
+        ]
+    }
+
+    fn prerequisites(&self) -> String {
+        let (what, packages, exceptions) = match self {
+            Clang::C => ("clang, lld and wasi-libc", C_PACKAGES.to_string(), ""),
+            Clang::Cpp => (
+                "clang, lld, wasi-libc and libc++",
+                format!("{C_PACKAGES} {CPP_PACKAGES}"),
+                " C++ is built without exceptions.",
+            ),
+        };
+        format!(
+            "Needs {what} for wasm32-wasi (Debian: `apt install {packages}`), or a WASI SDK with `WASI_SYSROOT` set to its sysroot.{exceptions} `idem build` writes the contract's C bindings into `{BINDINGS}/` each time.\n"
+        )
+    }
+
+    fn build(&self, directory: &Path, _name: &str, staging: &Path) -> anyhow::Result<()> {
+        build(directory, &Manifest::read(directory)?, staging)
+    }
+}
+
 /// What Debian needs for C, and for C++ too.
-pub const C_PACKAGES: &str = "clang lld wasi-libc libclang-rt-14-dev-wasm32";
-pub const CPP_PACKAGES: &str = "libc++-14-dev-wasm32 libc++abi-14-dev-wasm32";
+const C_PACKAGES: &str = "clang lld wasi-libc libclang-rt-14-dev-wasm32";
+const CPP_PACKAGES: &str = "libc++-14-dev-wasm32 libc++abi-14-dev-wasm32";
 
 /// The generated bindings' directory in a project, rewritten by every build.
-pub const BINDINGS: &str = "bindings";
+const BINDINGS: &str = "bindings";
 
 /// A C or C++ project's `idem.toml`.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Manifest {
-    pub plugin: PluginTable,
+struct Manifest {
+    plugin: PluginTable,
 }
 
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct PluginTable {
+struct PluginTable {
     /// Names the `.wasm` file.
-    pub name: String,
+    name: String,
     /// `c` or `cpp` (any other value is refused where the file is read, naming the line).
-    pub language: ManifestLanguage,
+    language: ManifestLanguage,
     /// The sources to compile, relative to the project.
-    pub sources: Vec<PathBuf>,
+    sources: Vec<PathBuf>,
     /// Extra compiler flags, e.g. `["-DNDEBUG"]`.
     #[serde(default)]
-    pub flags: Vec<String>,
+    flags: Vec<String>,
     /// The contract's directory, relative to the project (default `wit`).
     #[serde(default = "default_wit")]
-    pub wit: PathBuf,
+    wit: PathBuf,
 }
 
 fn default_wit() -> PathBuf {
@@ -46,20 +128,29 @@ fn default_wit() -> PathBuf {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum ManifestLanguage {
+enum ManifestLanguage {
     C,
     Cpp,
 }
 
 impl Manifest {
+    /// The project's `idem.toml`, its errors naming the file and field.
+    fn read(directory: &Path) -> anyhow::Result<Manifest> {
+        let path = directory.join(MANIFEST_FILE);
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        toml::from_str(&text)
+            .with_context(|| format!("{} is not a valid idem.toml", path.display()))
+    }
+
     /// Whether this is a C++ project (`language = "cpp"`).
-    pub fn is_cpp(&self) -> bool {
+    fn is_cpp(&self) -> bool {
         self.plugin.language == ManifestLanguage::Cpp
     }
 }
 
 /// Builds the project in `directory` described by `manifest` into `staging`.
-pub fn build(directory: &Path, manifest: &Manifest, staging: &Path) -> anyhow::Result<()> {
+fn build(directory: &Path, manifest: &Manifest, staging: &Path) -> anyhow::Result<()> {
     let wit = directory.join(&manifest.plugin.wit);
     let bindings = directory.join(BINDINGS);
     write_bindings(&wit, &bindings)?;
