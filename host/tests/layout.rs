@@ -248,9 +248,9 @@ fn every_source() -> (PathBuf, Vec<PathBuf>) {
 }
 
 /// The crates that talk to brokers and delivery endpoints.
-const CLIENT_CRATES: [&str; 3] = ["lapin", "async_nats", "reqwest"];
+const CLIENT_CRATES: [&str; 4] = ["lapin", "async_nats", "rdkafka", "reqwest"];
 
-/// `lapin`, `async_nats` and `reqwest` appear only in `source/` (each kind's client, and
+/// `lapin`, `async_nats`, `rdkafka` and `reqwest` appear only in `source/` (each kind's client, and
 /// `config/source/`'s check of a broker URL) and `relay/` (the outbox's deliveries): the
 /// store, the sandbox, the consume loop and the command line name no client.
 #[test]

@@ -16,6 +16,7 @@
 pub mod dead_letters;
 pub mod headers;
 pub mod jetstream;
+pub mod kafka;
 pub mod rabbitmq;
 
 use std::future::Future;

@@ -22,6 +22,7 @@ use super::text::{
 use super::tls::ClientTls;
 
 pub mod jetstream;
+pub mod kafka;
 pub mod rabbitmq;
 
 use jetstream::{ConsumerStart, JetStreamConfig, JetStreamKeys};
