@@ -15,6 +15,7 @@ mod hosts;
 mod hot_swap;
 mod jetstream;
 mod jetstream_limits;
+mod kafka;
 mod languages;
 mod operations;
 mod outbox;

@@ -11,6 +11,7 @@
 pub mod auto_failover;
 pub mod browser;
 pub mod jetstream;
+pub mod kafka;
 pub mod otlp;
 pub mod pg_cluster;
 pub mod pgbouncer;

@@ -33,7 +33,7 @@ pub use plugin_pool::PluginPoolConfig;
 pub use schema::json_schema;
 pub use source::SourceConfig;
 pub use source::jetstream::{ConsumerStart, JetStreamConfig, subject_matches};
-pub use source::kafka::Ordering;
+pub use source::kafka::{Assignment, KafkaConfig, KafkaStart, Ordering, Sasl, SaslMechanism};
 pub use source::rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqConfig};
 pub use text::{parse_duration, redact_url};
 pub use tls::ClientTls;

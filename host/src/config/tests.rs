@@ -174,8 +174,8 @@ fn a_source_table_or_the_older_queue_keys() {
     );
     check_error(
         &(VALID.replace("queue = \"order-completed\"\n", "")
-            + "\n[pipelines.loyalty.source]\nkind = \"kafka\"\nqueue = \"q\"\n"),
-        &["kafka", "rabbitmq"],
+            + "\n[pipelines.loyalty.source]\nkind = \"mqtt\"\nqueue = \"q\"\n"),
+        &["mqtt", "rabbitmq", "kafka"],
     );
     check_error(
         &(VALID.replace("queue = \"order-completed\"\n", "")
@@ -185,6 +185,100 @@ fn a_source_table_or_the_older_queue_keys() {
             "pipelines.loyalty.source.dead_letter_queue",
             "must differ",
         ],
+    );
+}
+
+/// A Kafka source: its defaults, its checks, and the keys of the other kinds refused.
+#[test]
+fn a_kafka_source() {
+    let kafka = |keys: &str| {
+        VALID.replace("queue = \"order-completed\"\n", "")
+            + "\n[pipelines.loyalty.source]\nkind = \"kafka\"\n"
+            + keys
+    };
+    let config = Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &kafka("brokers = [\"127.0.0.1:9092\"]\ntopic = \"orders\"\nproperties = { \"session.timeout.ms\" = 6000, \"check.crcs\" = true }\n"),
+    )
+    .expect("a Kafka source");
+    let pipeline = &config.pipelines[0];
+    let SourceConfig::Kafka(source) = &pipeline.source else {
+        panic!("not Kafka: {:?}", pipeline.source);
+    };
+    assert_eq!(source.group, "idem-loyalty");
+    assert_eq!(source.topics, ["orders"]);
+    assert_eq!(source.dead_letter_topic, "orders.dead-letter");
+    assert_eq!(source.ordering, Ordering::Key);
+    assert_eq!(source.start, KafkaStart::Window);
+    assert_eq!(source.assignment, Assignment::Range);
+    assert_eq!(source.revoke_timeout, Duration::from_secs(10));
+    assert!(source.declare);
+    assert_eq!(source.properties["session.timeout.ms"], "6000");
+    assert_eq!(source.properties["check.crcs"], "true");
+    assert_eq!(pipeline.queue(), "orders");
+    assert_eq!(pipeline.source_kind(), "kafka");
+
+    let listed = Config::from_toml(
+        Path::new("/etc/idem/pipelines.toml"),
+        &kafka("brokers = [\"b1:9092\", \"b2:9092\"]\ntopic = [\"a\", \"b\"]\ndead_letter_topic = \"rejected\"\nordering = \"partition\"\nstart = \"earliest\"\nassignment = \"cooperative-sticky\"\n"),
+    )
+    .expect("several topics");
+    let SourceConfig::Kafka(source) = &listed.pipelines[0].source else {
+        panic!("not Kafka");
+    };
+    assert_eq!(source.topics, ["a", "b"]);
+    assert_eq!(source.start, KafkaStart::Earliest);
+    assert_eq!(source.assignment, Assignment::CooperativeSticky);
+
+    check_error(
+        &kafka("topic = \"orders\"\n"),
+        &["pipelines.loyalty.source.brokers", "missing"],
+    );
+    check_error(
+        &kafka("brokers = [\"b:9092\"]\ntopic = [\"a\", \"b\"]\n"),
+        &["dead_letter_topic", "several topics"],
+    );
+    check_error(
+        &kafka("brokers = [\"b:9092\"]\ntopic = \"orders\"\ndead_letter_topic = \"orders\"\n"),
+        &["dead_letter_topic", "other than the consumed"],
+    );
+    check_error(
+        &kafka("brokers = [\"b:9092\"]\ntopic = \"orders.*\"\n"),
+        &["pipelines.loyalty.source.topic", "pattern"],
+    );
+    check_error(
+        &kafka("brokers = [\"b:9092\"]\ntopic = \"orders\"\nstart = \"all\"\n"),
+        &["start", "JetStream's"],
+    );
+    check_error(
+        &kafka(
+            "brokers = [\"b:9092\"]\ntopic = \"orders\"\nproperties = { \"group.id\" = \"x\" }\n",
+        ),
+        &["properties", "group.id", "use group"],
+    );
+    check_error(
+        &kafka("brokers = [\"b:9092\"]\ntopic = \"orders\"\nstream = \"ORDERS\"\n"),
+        &[
+            "pipelines.loyalty.source.stream",
+            "a JetStream setting",
+            "Kafka source",
+        ],
+    );
+    check_error(
+        &kafka(
+            "brokers = [\"b:9092\"]\ntopic = \"orders\"\nsasl = { mechanism = \"GSSAPI\", username = \"u\", password = \"p\" }\n",
+        ),
+        &["GSSAPI"],
+    );
+    let jetstream = VALID.replace("queue = \"order-completed\"\n", "")
+        + "\n[pipelines.loyalty.source]\nkind = \"jetstream\"\nservers = [\"nats://127.0.0.1:4222\"]\nstream = \"ORDERS\"\n";
+    check_error(
+        &(jetstream.clone() + "start = \"earliest\"\n"),
+        &["start", "Kafka's"],
+    );
+    check_error(
+        &(jetstream + "group = \"g\"\n"),
+        &["pipelines.loyalty.source.group", "a Kafka setting"],
     );
 }
 
@@ -662,18 +756,32 @@ fn every_source_key_belongs_to_one_kind() {
         .cloned()
         .collect();
     table.sort();
-    let rabbitmq = source::rabbitmq::RabbitMqKeys::KEYS;
-    let jetstream = source::jetstream::JetStreamKeys::KEYS;
-    let mut kinds: Vec<String> = rabbitmq
+    let kinds = [
+        source::rabbitmq::RabbitMqKeys::KEYS.as_slice(),
+        source::jetstream::JetStreamKeys::KEYS.as_slice(),
+        source::kafka::KafkaKeys::KEYS.as_slice(),
+    ];
+    let mut read: Vec<String> = kinds
         .iter()
-        .chain(jetstream.iter())
+        .flat_map(|keys| keys.iter())
         .map(|key| key.to_string())
         .collect();
-    kinds.sort();
-    assert_eq!(table, kinds, "the table's keys and the kinds' keys differ");
-    assert!(
-        rabbitmq.iter().all(|key| !jetstream.contains(key)),
-        "a key in both kinds' lists"
-    );
-    assert!(rabbitmq.contains(&"declare") && !jetstream.contains(&"declare"));
+    read.sort();
+    read.dedup();
+    assert_eq!(table, read, "the table's keys and the kinds' keys differ");
+    // The keys more than one kind reads, and no other: a key added to a second kind by
+    // mistake would be taken silently by both.
+    let mut shared: Vec<&str> = read
+        .iter()
+        .filter(|key| {
+            kinds
+                .iter()
+                .filter(|keys| keys.contains(&key.as_str()))
+                .count()
+                > 1
+        })
+        .map(String::as_str)
+        .collect();
+    shared.sort();
+    assert_eq!(shared, ["declare", "start", "tls"]);
 }

@@ -207,6 +207,12 @@ pub(super) fn interpolated_one_or_many<'de, D: Deserializer<'de>>(
         .map_err(serde::de::Error::custom)
 }
 
+pub(super) fn interpolated_one_or_many_option<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Vec<String>>, D::Error> {
+    interpolated_one_or_many(deserializer).map(Some)
+}
+
 pub(super) fn interpolated_option<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<String>, D::Error> {

@@ -37,6 +37,13 @@ pub const SUBJECT: &str = "x-idem-subject";
 pub const MESSAGE_ID: &str = "x-idem-message-id";
 /// JetStream: the sequence a dead letter had on the pipeline's stream.
 pub const STREAM_SEQUENCE: &str = "x-idem-stream-sequence";
+/// Kafka: the topic, partition and offset a dead letter was consumed from.
+pub const TOPIC: &str = "x-idem-topic";
+pub const PARTITION: &str = "x-idem-partition";
+pub const OFFSET: &str = "x-idem-offset";
+/// Kafka: on a marker the host appends to a dead-letter topic, which a topic cannot delete
+/// one record of, the dead letter (`<partition>:<offset>`) replayed or discarded.
+pub const SETTLED: &str = "x-idem-settled";
 
 /// Whether header `name` is one of the host's diagnostics of the last failure (`x-idem-*`),
 /// which a replay leaves out.

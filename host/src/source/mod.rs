@@ -28,6 +28,7 @@ use crate::config::{AmqpConfig, Config, Destination, PipelineConfig, SourceConfi
 use crate::message::InboundMessage;
 
 use self::jetstream::JetStreamError;
+use self::kafka::KafkaError;
 use self::rabbitmq::AmqpError;
 
 /// Now, in seconds since 1970 (a dead letter's `x-idem-rejected-at`).
@@ -58,6 +59,7 @@ pub struct Depths {
 pub struct DepthProbe {
     rabbitmq: Option<lapin::Connection>,
     jetstream: Option<async_nats::Client>,
+    kafka: Option<std::sync::Arc<rdkafka::consumer::BaseConsumer>>,
 }
 
 impl DepthProbe {
@@ -70,6 +72,7 @@ impl DepthProbe {
             SourceConfig::JetStream(source) => {
                 Ok(jetstream::depths(&mut self.jetstream, source).await?)
             }
+            SourceConfig::Kafka(source) => Ok(kafka::depths(&mut self.kafka, source).await?),
         }
     }
 }
@@ -87,6 +90,7 @@ pub fn for_kind<T: ForKind>(pipeline: &PipelineConfig, task: T) -> T::Output {
     match &pipeline.source {
         SourceConfig::RabbitMq(source) => task.run::<rabbitmq::Session>(source),
         SourceConfig::JetStream(source) => task.run::<jetstream::Session>(source),
+        SourceConfig::Kafka(source) => task.run::<kafka::Session>(source),
     }
 }
 
@@ -103,10 +107,12 @@ pub enum Finding {
 pub async fn check(config: &Config) -> Vec<Finding> {
     let mut queues = Vec::new();
     let mut streams = Vec::new();
+    let mut topics = Vec::new();
     for pipeline in &config.pipelines {
         match &pipeline.source {
             SourceConfig::RabbitMq(source) => queues.push((pipeline, source)),
             SourceConfig::JetStream(source) => streams.push((pipeline, source)),
+            SourceConfig::Kafka(source) => topics.push((pipeline, source)),
         }
     }
     let destinations = config
@@ -129,6 +135,7 @@ pub async fn check(config: &Config) -> Vec<Finding> {
     }
     let mut findings = rabbitmq::check::check(&brokers, &queues).await;
     findings.extend(jetstream::check::check(&streams).await);
+    findings.extend(kafka::check::check(&topics).await);
     findings
 }
 
@@ -146,6 +153,7 @@ pub async fn status(pipeline: &PipelineConfig) -> Vec<StatusLine> {
     match &pipeline.source {
         SourceConfig::RabbitMq(source) => rabbitmq::check::status(source).await,
         SourceConfig::JetStream(source) => jetstream::check::status(source).await,
+        SourceConfig::Kafka(source) => kafka::check::status(source).await,
     }
 }
 
@@ -175,6 +183,9 @@ pub async fn pass_dead_letters(
         SourceConfig::JetStream(source) => {
             Ok(jetstream::dead_letters::pass(source, pipeline, selection, action, seen).await?)
         }
+        SourceConfig::Kafka(source) => {
+            Ok(kafka::dead_letters::pass(source, pipeline, selection, action, seen).await?)
+        }
     }
 }
 
@@ -185,6 +196,8 @@ pub enum SourceError {
     RabbitMq(#[from] AmqpError),
     #[error(transparent)]
     JetStream(#[from] JetStreamError),
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
 }
 
 impl SourceError {
@@ -194,6 +207,7 @@ impl SourceError {
         match self {
             SourceError::RabbitMq(error) => error.is_refused(),
             SourceError::JetStream(error) => error.is_refused(),
+            SourceError::Kafka(error) => error.is_refused(),
         }
     }
 }

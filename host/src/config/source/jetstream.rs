@@ -12,6 +12,7 @@ use toml::Spanned;
 use super::super::ConfigError;
 use super::super::text::Table;
 use super::super::tls::ClientTls;
+use super::Start;
 
 /// A NATS JetStream stream, read through a durable pull consumer.
 #[derive(Debug, Clone)]
@@ -83,13 +84,12 @@ pub(in crate::config) struct JetStreamKeys {
     pub dead_letter_subject: Option<String>,
     pub dead_letter_stream: Option<String>,
     pub in_progress: Option<bool>,
-    pub start: Option<ConsumerStart>,
+    pub start: Option<Start>,
 }
 
 impl JetStreamKeys {
-    /// Every key only a JetStream source has (`declare` is both kinds'), in the order `set`
-    /// reads them.
-    pub const KEYS: [&'static str; 15] = [
+    /// Every key a JetStream source reads, in the order `set` reads them.
+    pub const KEYS: [&'static str; 16] = [
         "servers",
         "user",
         "password",
@@ -99,6 +99,7 @@ impl JetStreamKeys {
         "stream",
         "subject",
         "consumer",
+        "declare",
         "ack_wait",
         "max_deliver",
         "dead_letter_subject",
@@ -107,7 +108,7 @@ impl JetStreamKeys {
         "start",
     ];
 
-    /// The keys only a JetStream source has that are set, by name. Every field is named here
+    /// The keys set, by name. Every field is named here
     /// (no `..`): a new key does not compile until it is counted.
     pub fn set(&self) -> Vec<&'static str> {
         let JetStreamKeys {
@@ -120,7 +121,7 @@ impl JetStreamKeys {
             stream,
             subject,
             consumer,
-            declare: _,
+            declare,
             ack_wait,
             max_deliver,
             dead_letter_subject,
@@ -138,6 +139,7 @@ impl JetStreamKeys {
             stream.is_some(),
             subject.is_some(),
             consumer.is_some(),
+            declare.is_some(),
             ack_wait.is_some(),
             max_deliver.is_some(),
             dead_letter_subject.is_some(),
@@ -163,6 +165,7 @@ impl JetStreamKeys {
     ) -> Result<JetStreamConfig, ConfigError> {
         self.check_authentication(table)?;
         self.check_delivery(max_attempts, table)?;
+        let start = start(self.start, table)?;
         let stream = stream(self.stream, table)?;
         let servers = servers(self.servers, table)?;
         let tls = match self.tls {
@@ -224,7 +227,7 @@ impl JetStreamKeys {
             dead_letter_subject,
             dead_letter_stream,
             in_progress: self.in_progress.unwrap_or(true),
-            start: self.start.unwrap_or(ConsumerStart::Window),
+            start,
             table: table.name.clone(),
         })
     }
@@ -287,6 +290,19 @@ impl JetStreamKeys {
             ));
         }
         Ok(())
+    }
+}
+
+/// Where a consumer idem creates starts: `window` (default) or `all`.
+fn start(start: Option<Start>, table: &Table) -> Result<ConsumerStart, ConfigError> {
+    match start {
+        None | Some(Start::Window) => Ok(ConsumerStart::Window),
+        Some(Start::All) => Ok(ConsumerStart::All),
+        Some(Start::Earliest | Start::Latest) => Err(table.at(
+            None,
+            "start",
+            "\"earliest\" and \"latest\" are Kafka's; a JetStream consumer starts at \"window\" or \"all\"",
+        )),
     }
 }
 

@@ -16,8 +16,9 @@ use toml::Spanned;
 
 use super::ConfigError;
 use super::text::{
-    Document, Table, duration_option, duration_schema, interpolated_option,
-    interpolated_path_option, interpolated_spanned_list, interpolated_spanned_option,
+    Document, Table, duration_option, duration_schema, interpolated_one_or_many_option,
+    interpolated_option, interpolated_path_option, interpolated_spanned_list,
+    interpolated_spanned_option,
 };
 use super::tls::ClientTls;
 
@@ -25,7 +26,8 @@ pub mod jetstream;
 pub mod kafka;
 pub mod rabbitmq;
 
-use jetstream::{ConsumerStart, JetStreamConfig, JetStreamKeys};
+use jetstream::{JetStreamConfig, JetStreamKeys};
+use kafka::{Assignment, KafkaConfig, KafkaKeys, Ordering, PropertyValue, Sasl};
 use rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqConfig, RabbitMqKeys};
 
 /// What a pipeline consumes (`[pipelines.<name>.source]`).
@@ -33,26 +35,30 @@ use rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqConfig, RabbitMqKey
 pub enum SourceConfig {
     RabbitMq(RabbitMqConfig),
     JetStream(JetStreamConfig),
+    Kafka(KafkaConfig),
 }
 
 impl SourceConfig {
     /// The kinds' names, as `kind` in the config and `message.source` for plugins.
     pub const RABBITMQ: &'static str = "rabbitmq";
     pub const JETSTREAM: &'static str = "jetstream";
+    pub const KAFKA: &'static str = "kafka";
 
-    /// The queue (or stream) consumed, as logs, metrics and plugins name it.
+    /// The queue (or stream, or first topic) consumed, as logs, metrics and plugins name it.
     pub fn queue(&self) -> &str {
         match self {
             SourceConfig::RabbitMq(source) => &source.queue,
             SourceConfig::JetStream(source) => &source.stream,
+            SourceConfig::Kafka(source) => &source.topics[0],
         }
     }
 
-    /// Where rejected messages go: the dead-letter queue, or subject.
+    /// Where rejected messages go: the dead-letter queue, subject or topic.
     pub fn dead_letter(&self) -> &str {
         match self {
             SourceConfig::RabbitMq(source) => &source.dead_letter_queue,
             SourceConfig::JetStream(source) => &source.dead_letter_subject,
+            SourceConfig::Kafka(source) => &source.dead_letter_topic,
         }
     }
 
@@ -61,6 +67,7 @@ impl SourceConfig {
         match self {
             SourceConfig::RabbitMq(_) => SourceConfig::RABBITMQ,
             SourceConfig::JetStream(_) => SourceConfig::JETSTREAM,
+            SourceConfig::Kafka(_) => SourceConfig::KAFKA,
         }
     }
 }
@@ -73,13 +80,55 @@ enum SourceKind {
     Rabbitmq,
     /// A NATS JetStream stream.
     Jetstream,
+    /// Apache Kafka topics, read by a consumer group.
+    Kafka,
+}
+
+impl SourceKind {
+    fn label(self) -> &'static str {
+        match self {
+            SourceKind::Rabbitmq => "RabbitMQ",
+            SourceKind::Jetstream => "JetStream",
+            SourceKind::Kafka => "Kafka",
+        }
+    }
+
+    /// Every key a source of this kind reads.
+    fn keys(self) -> &'static [&'static str] {
+        match self {
+            SourceKind::Rabbitmq => &RabbitMqKeys::KEYS,
+            SourceKind::Jetstream => &JetStreamKeys::KEYS,
+            SourceKind::Kafka => &KafkaKeys::KEYS,
+        }
+    }
+
+    const ALL: [SourceKind; 3] = [
+        SourceKind::Rabbitmq,
+        SourceKind::Jetstream,
+        SourceKind::Kafka,
+    ];
+}
+
+/// Where a consumer idem starts, for the kinds that choose (`start`): JetStream takes
+/// `window` and `all`, Kafka `window`, `earliest` and `latest`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub(super) enum Start {
+    /// No earlier than the claim window (with ledger claims): the default.
+    Window,
+    /// JetStream: the stream's first message, whatever its age.
+    All,
+    /// Kafka: a partition's earliest offset.
+    Earliest,
+    /// Kafka: a partition's end (only messages produced from now on).
+    Latest,
 }
 
 /// `[pipelines.<name>.source]` as written.
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawSource {
-    /// The kind of broker: `rabbitmq` or `jetstream`.
+    /// The kind of broker: `rabbitmq`, `jetstream` or `kafka`.
     kind: SourceKind,
     /// The RabbitMQ queue this pipeline consumes.
     #[serde(default, deserialize_with = "interpolated_spanned_option")]
@@ -114,8 +163,9 @@ pub(super) struct RawSource {
     /// token. A relative path resolves against the config file's directory.
     #[serde(default, deserialize_with = "interpolated_path_option")]
     credentials_file: Option<PathBuf>,
-    /// JetStream: TLS, required when this is set: `ca_file` (authorities trusted besides the
-    /// system's store), `cert_file` and `key_file` (a client certificate, for servers that ask).
+    /// JetStream and Kafka: TLS, required when this is set: `ca_file` (authorities trusted
+    /// besides the system's store), `cert_file` and `key_file` (a client certificate, for
+    /// servers that ask).
     tls: Option<ClientTls>,
     /// JetStream: the stream this pipeline consumes.
     #[serde(default, deserialize_with = "interpolated_spanned_option")]
@@ -146,15 +196,50 @@ pub(super) struct RawSource {
     /// JetStream: send in-progress acks while a message's handling outlives half of
     /// `ack_wait`, so the server does not deliver it again meanwhile (default `true`).
     in_progress: Option<bool>,
-    /// JetStream: where a consumer idem creates starts: `"window"` (default; with ledger
-    /// claims, no message older than the claim window) or `"all"` (the stream's first
-    /// message, whatever its age).
-    start: Option<ConsumerStart>,
+    /// Where a consumer idem creates starts: `"window"` (default; with ledger claims, no
+    /// message older than the claim window); JetStream: `"all"` (the stream's first message,
+    /// whatever its age); Kafka: `"earliest"` or `"latest"` (a partition's first offset, or
+    /// its end), for a group without a committed offset.
+    start: Option<Start>,
+    /// Kafka: the bootstrap brokers (`host:port`).
+    #[serde(default, deserialize_with = "interpolated_spanned_list")]
+    #[schemars(with = "Option<Vec<String>>")]
+    brokers: Option<Spanned<Vec<String>>>,
+    /// Kafka: the topic consumed, or a list of them.
+    #[serde(default, deserialize_with = "interpolated_one_or_many_option")]
+    #[schemars(with = "Option<Vec<String>>")]
+    topic: Option<Vec<String>>,
+    /// Kafka: the consumer group (default `idem-<pipeline>`).
+    #[serde(default, deserialize_with = "interpolated_option")]
+    group: Option<String>,
+    /// Kafka: where rejected messages are produced (default `<topic>.dead-letter`).
+    #[serde(default, deserialize_with = "interpolated_option")]
+    dead_letter_topic: Option<String>,
+    /// Kafka: `"key"` (default: one key of a partition at a time, in offset order),
+    /// `"partition"` (one message of a partition at a time) or `"none"`.
+    ordering: Option<Ordering>,
+    /// Kafka: `"range"` (default) or `"cooperative-sticky"` (only moved partitions revoked).
+    assignment: Option<Assignment>,
+    /// Kafka: SASL credentials: `mechanism` (`PLAIN`, `SCRAM-SHA-256`, `SCRAM-SHA-512`),
+    /// `username`, `password` (use `${VAR}`).
+    sasl: Option<Sasl>,
+    /// Kafka: partitions of a topic idem creates with `declare` (default 1).
+    partitions: Option<i32>,
+    /// Kafka: messages of one partition received and not settled at most; past it the
+    /// partition is paused while polling goes on (default 1000).
+    in_flight_per_partition: Option<usize>,
+    /// Kafka: how long a revoke waits for the revoked partitions' transactions (default 10s).
+    #[serde(default, deserialize_with = "duration_option")]
+    #[schemars(schema_with = "duration_schema")]
+    revoke_timeout: Option<Duration>,
+    /// Kafka: librdkafka properties idem does not set itself, passed through
+    /// (`"session.timeout.ms" = 6000`).
+    properties: Option<BTreeMap<String, PropertyValue>>,
 }
 
 impl RawSource {
     /// The kind, and the keys as each kind reads them.
-    fn split(self) -> (SourceKind, RabbitMqKeys, JetStreamKeys) {
+    fn split(self) -> (SourceKind, RabbitMqKeys, JetStreamKeys, KafkaKeys) {
         let rabbitmq = RabbitMqKeys {
             queue: self.queue,
             dead_letter_queue: self.dead_letter_queue,
@@ -180,7 +265,23 @@ impl RawSource {
             in_progress: self.in_progress,
             start: self.start,
         };
-        (self.kind, rabbitmq, jetstream)
+        let kafka = KafkaKeys {
+            brokers: self.brokers,
+            topic: self.topic,
+            group: self.group,
+            dead_letter_topic: self.dead_letter_topic,
+            ordering: self.ordering,
+            start: self.start,
+            assignment: self.assignment,
+            tls: jetstream.tls.clone(),
+            sasl: self.sasl,
+            declare: self.declare,
+            partitions: self.partitions,
+            in_flight_per_partition: self.in_flight_per_partition,
+            revoke_timeout: self.revoke_timeout,
+            properties: self.properties,
+        };
+        (self.kind, rabbitmq, jetstream, kafka)
     }
 }
 
@@ -221,30 +322,33 @@ pub(super) fn checked(
         name: format!("pipelines.{name}.source"),
         span: Some(span),
     };
-    let (kind, rabbitmq, jetstream) = table.into_inner().split();
-    let foreign = |key: Option<&&str>, problem: &str| match key {
-        Some(key) => Err(table_at.at(None, key, problem)),
-        None => Ok(()),
-    };
+    let (kind, rabbitmq, jetstream, kafka) = table.into_inner().split();
+    let mut set: Vec<&str> = rabbitmq.set();
+    set.extend(jetstream.set());
+    set.extend(kafka.set());
+    if let Some(key) = set.iter().find(|key| !kind.keys().contains(key)) {
+        let takers: Vec<&str> = SourceKind::ALL
+            .into_iter()
+            .filter(|other| other.keys().contains(key))
+            .map(SourceKind::label)
+            .collect();
+        return Err(table_at.at(
+            None,
+            key,
+            format!(
+                "a {} setting; a {} source does not take it",
+                takers.join(" and "),
+                kind.label()
+            ),
+        ));
+    }
     match kind {
-        SourceKind::Rabbitmq => {
-            foreign(
-                jetstream.set().first(),
-                "a JetStream setting; a RabbitMQ source names a queue",
-            )?;
-            Ok(SourceConfig::RabbitMq(rabbitmq.checked(&table_at, amqp)?))
-        }
-        SourceKind::Jetstream => {
-            let set = rabbitmq.set();
-            foreign(
-                set.iter().find(|key| **key != "declare"),
-                "a RabbitMQ setting; a JetStream source names a stream (and subject)",
-            )?;
-            Ok(SourceConfig::JetStream(jetstream.checked(
-                name,
-                max_attempts,
-                &table_at,
-            )?))
-        }
+        SourceKind::Rabbitmq => Ok(SourceConfig::RabbitMq(rabbitmq.checked(&table_at, amqp)?)),
+        SourceKind::Jetstream => Ok(SourceConfig::JetStream(jetstream.checked(
+            name,
+            max_attempts,
+            &table_at,
+        )?)),
+        SourceKind::Kafka => Ok(SourceConfig::Kafka(kafka.checked(name, &table_at)?)),
     }
 }

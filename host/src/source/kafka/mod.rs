@@ -1,7 +1,191 @@
-//! An Apache Kafka source (being built, issue 44): a topic's partitions read by one consumer
-//! of a group, exactly once into PostgreSQL by the claim. This step holds the two decisions
-//! the consumer makes without the broker: where a partition resumes (`offsets`) and the
-//! order messages are handed out in (`lanes`).
+//! Apache Kafka through rdkafka (librdkafka): a pipeline's topics read by one consumer of a
+//! consumer group, exactly once into PostgreSQL by the claim. Offsets are only where to
+//! resume: a partition's committed offset never passes a message whose transaction has not
+//! committed (`offsets`).
+//!
+//! Architecture invariant: a message counts as settled only when `process` says so, after
+//! commit (or once its dead letter's delivery report came back); the poll thread commits
+//! each partition's settled floor, never past an unsettled message, and a late settlement of
+//! a revoked or lost partition is refused by its assignment's epoch.
+//!
+//! Here: the error and the `Session` a pipeline consumes through. `connect` sets the
+//! clients up, `topology` makes sure of the topics, `poll` owns the consumer (rebalances,
+//! pauses, commits), `lanes` orders what it hands out, `received` settles a delivery,
+//! `depths` reads what waits, `check` and `dead_letters` serve `idem check` and `idem dlq`.
 
+pub mod check;
+mod connect;
+pub mod dead_letters;
+mod depths;
 pub mod lanes;
 pub mod offsets;
+mod poll;
+mod received;
+mod topology;
+
+pub use depths::{Found, depths};
+pub use received::Received;
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::FutureProducer;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{ClaimMode, KafkaConfig, KafkaStart, PipelineConfig, SourceConfig};
+use crate::source::{Source, SourceError};
+
+use poll::{Context, Shared, State};
+
+/// The source kind a plugin sees in `message.source`.
+pub const KIND: &str = SourceConfig::KAFKA;
+
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaError {
+    #[error("cannot reach Kafka at {brokers}: {reason}")]
+    Connect { brokers: String, reason: String },
+    /// A refusal no retry can fix: the operator must change `setting`.
+    #[error("Kafka refused: {reason}; check {setting}")]
+    Refused { reason: String, setting: String },
+    #[error("Kafka could not {action} {name:?}: {reason}")]
+    Request {
+        action: &'static str,
+        name: String,
+        reason: String,
+    },
+    #[error("the Kafka client failed: {0}")]
+    Client(String),
+}
+
+impl KafkaError {
+    /// Whether the operator must change the configuration: retrying cannot help.
+    pub fn is_refused(&self) -> bool {
+        matches!(self, KafkaError::Refused { .. })
+    }
+}
+
+/// One pipeline's consumer in its group.
+pub struct Session {
+    shared: Arc<Shared>,
+    producer: FutureProducer,
+    poller: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Session {
+    /// Makes sure the topics are there, then joins the group on its own polling thread.
+    pub async fn open(
+        source: &KafkaConfig,
+        pipeline: &PipelineConfig,
+        shutdown: &CancellationToken,
+    ) -> Result<Session, KafkaError> {
+        let client = format!("idem {} (pid {})", pipeline.name, std::process::id());
+        topology::ensure_topics(source, &client).await?;
+        let producer: FutureProducer = connect::producer(source, &client)
+            .create()
+            .map_err(|error| KafkaError::Client(error.to_string()))?;
+        let window = match (source.start, pipeline.claim) {
+            (KafkaStart::Window, ClaimMode::Ledger) => Some(pipeline.retention.window),
+            _ => None,
+        };
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            ready: tokio::sync::Notify::new(),
+            settled: Condvar::new(),
+            pipeline: pipeline.name.clone(),
+            source: source.clone(),
+            window,
+            shutdown: shutdown.clone(),
+        });
+        let consumer: BaseConsumer<Context> = connect::consumer(source, &client)
+            .create_with_context(Context {
+                shared: Arc::clone(&shared),
+            })
+            .map_err(|error| KafkaError::Client(error.to_string()))?;
+        let topics: Vec<&str> = source.topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&topics)
+            .map_err(|error| topology::unreachable_or_refused(source, &error))?;
+        let polled = Arc::clone(&shared);
+        let poller = std::thread::Builder::new()
+            .name(format!("kafka {}", pipeline.name))
+            .spawn(move || poll::run(consumer, polled))
+            .map_err(|error| KafkaError::Client(error.to_string()))?;
+        Ok(Session {
+            shared,
+            producer,
+            poller: Some(poller),
+        })
+    }
+
+    /// Tells the poll thread to commit and leave, and waits for it.
+    async fn finish(&mut self) {
+        self.shared.lock().closing = true;
+        if let Some(poller) = self.poller.take() {
+            let _ = tokio::task::spawn_blocking(move || poller.join()).await;
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Closed without `close` (a task aborted): the thread still commits and leaves.
+        self.shared.lock().closing = true;
+    }
+}
+
+impl Source for Session {
+    type Config = KafkaConfig;
+    type Delivery = Received;
+    const BROKER: &'static str = "Kafka";
+
+    async fn open(
+        source: &KafkaConfig,
+        pipeline: &PipelineConfig,
+        shutdown: &CancellationToken,
+    ) -> Result<Session, SourceError> {
+        Ok(Session::open(source, pipeline, shutdown).await?)
+    }
+
+    async fn next(&mut self) -> Result<Received, SourceError> {
+        loop {
+            let notified = self.shared.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut state = self.shared.lock();
+                if let Some(failure) = state.failure.take() {
+                    return Err(failure.into());
+                }
+                if let Some((lane, held)) = state.lanes.take() {
+                    *state.out.entry(held.partition.clone()).or_default() += 1;
+                    drop(state);
+                    return Ok(Received::new(
+                        held,
+                        lane,
+                        Arc::clone(&self.shared),
+                        self.producer.clone(),
+                    ));
+                }
+            }
+            notified.await;
+        }
+    }
+
+    async fn stop(&mut self) {
+        // Nothing is handed out after this; the poll thread goes on until close, so the
+        // group keeps this member while its last transactions settle.
+    }
+
+    /// What was received and not handed out stays unsettled, so the partition's next owner
+    /// (or this consumer, when it joins again) reads it from the committed floor.
+    async fn give_back(&mut self) -> usize {
+        let mut state = self.shared.lock();
+        let waiting = state.lanes.waiting();
+        state.lanes = lanes::Lanes::default();
+        waiting
+    }
+
+    async fn close(mut self) {
+        self.finish().await;
+    }
+}

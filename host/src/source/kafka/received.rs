@@ -1,0 +1,240 @@
+//! A message from a Kafka partition and how it is settled. Nothing is acknowledged to the
+//! broker one message at a time: settling opens the message's lane to the next one and lets
+//! its partition's floor pass it (the poll thread commits floors). A dead letter is produced
+//! (idempotent, `acks = all`) and its delivery report awaited before the original counts as
+//! settled. A retry or a requeue keeps the message here, its lane held, its offset open.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tracing::warn;
+
+use crate::message::InboundMessage;
+use crate::source::{Delivery, headers, unix_seconds};
+
+use super::KIND;
+use super::lanes::Lane;
+use super::poll::{Held, Shared};
+
+/// A delivery from one of the pipeline's partitions.
+pub struct Received {
+    message: InboundMessage,
+    held: Held,
+    lane: Lane,
+    shared: Arc<Shared>,
+    producer: FutureProducer,
+}
+
+impl Received {
+    pub(super) fn new(
+        held: Held,
+        lane: Lane,
+        shared: Arc<Shared>,
+        producer: FutureProducer,
+    ) -> Received {
+        let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+        let mut attributes = vec![
+            ("topic".to_string(), held.partition.topic.clone()),
+            (
+                "partition".to_string(),
+                held.partition.partition.to_string(),
+            ),
+            ("offset".to_string(), held.offset.to_string()),
+        ];
+        if let Some(key) = &held.key {
+            attributes.push(("key".to_string(), text(key)));
+        }
+        if let Some(timestamp) = held.timestamp {
+            attributes.push(("timestamp".to_string(), timestamp.to_string()));
+        }
+        let message = InboundMessage {
+            pipeline: shared.pipeline.clone(),
+            source: KIND.to_string(),
+            queue: held.partition.topic.clone(),
+            subject: held.partition.topic.clone(),
+            body: held.payload.clone(),
+            headers: held
+                .headers
+                .iter()
+                .map(|(name, value)| (name.clone(), value.as_deref().map(text).unwrap_or_default()))
+                .collect(),
+            message_id: None,
+            redelivered: held.attempt > 1,
+            delivery_count: None,
+            attributes,
+        };
+        Received {
+            message,
+            held,
+            lane,
+            shared,
+            producer,
+        }
+    }
+
+    /// Settled: its floor may pass it and its lane's next message is ready. `false` when its
+    /// partition was revoked or lost meanwhile (the next owner reads it again, and the claim
+    /// makes an applied one a duplicate).
+    fn settle(&self) -> bool {
+        let partition = &self.held.partition;
+        let mut state = self.shared.lock();
+        Shared::returned(&mut state, partition);
+        let current = state
+            .floors
+            .settled(partition, self.held.epoch, self.held.offset);
+        if current {
+            state.lanes.settled(&self.lane);
+        }
+        drop(state);
+        self.shared.settled.notify_all();
+        self.shared.ready.notify_one();
+        current
+    }
+
+    /// Back in its lane, first of it, as try `attempt` (its offset stays open).
+    fn again(&self, attempt: u32) -> bool {
+        let mut state = self.shared.lock();
+        if state.floors.epoch(&self.held.partition) != Some(self.held.epoch) {
+            return false;
+        }
+        let mut held = self.held.clone();
+        held.attempt = attempt;
+        state.lanes.again(self.lane.clone(), held);
+        drop(state);
+        self.shared.ready.notify_one();
+        true
+    }
+
+    /// The same delivery, for a task that puts it back later.
+    fn copy(&self) -> Received {
+        Received {
+            message: self.message.clone(),
+            held: self.held.clone(),
+            lane: self.lane.clone(),
+            shared: Arc::clone(&self.shared),
+            producer: self.producer.clone(),
+        }
+    }
+
+    /// Not in a transaction any more, though not settled: a revoke need not wait for it.
+    fn set_aside(&self) {
+        let mut state = self.shared.lock();
+        Shared::returned(&mut state, &self.held.partition);
+        drop(state);
+        self.shared.settled.notify_all();
+    }
+
+    /// The dead letter's headers: the original's (but the host's own diagnostics), then why,
+    /// and where it was read.
+    fn dead_letter_headers(&self, error_kind: &str, reason: &str) -> OwnedHeaders {
+        let mut headers = OwnedHeaders::new();
+        for (name, value) in &self.held.headers {
+            if headers::is_kept_on_a_dead_letter(name) {
+                headers = headers.insert(Header {
+                    key: name,
+                    value: value.as_deref(),
+                });
+            }
+        }
+        let own = [
+            (headers::REASON, headers::reason_text(reason)),
+            (headers::ERROR_KIND, error_kind.to_string()),
+            (headers::PIPELINE, self.shared.pipeline.clone()),
+            (headers::QUEUE, self.held.partition.topic.clone()),
+            (headers::TOPIC, self.held.partition.topic.clone()),
+            (
+                headers::PARTITION,
+                self.held.partition.partition.to_string(),
+            ),
+            (headers::OFFSET, self.held.offset.to_string()),
+            (headers::REJECTED_AT, unix_seconds().to_string()),
+        ];
+        for (name, value) in &own {
+            headers = headers.insert(Header {
+                key: name,
+                value: Some(value.as_bytes()),
+            });
+        }
+        headers
+    }
+}
+
+/// How long a dead letter's delivery report may take before the message goes back to its
+/// lane, to be tried again.
+const DEAD_LETTER_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl Delivery for Received {
+    fn message(&self) -> &InboundMessage {
+        &self.message
+    }
+
+    fn attempt(&self) -> u32 {
+        self.held.attempt
+    }
+
+    fn describe(&self) -> String {
+        format!("{} offset {}", self.held.partition, self.held.offset)
+    }
+
+    async fn ack(&self) -> bool {
+        self.settle()
+    }
+
+    async fn dead_letter(&self, error_kind: &'static str, reason: &str) -> bool {
+        let mut record = FutureRecord::to(&self.shared.source.dead_letter_topic)
+            .payload(&self.held.payload)
+            .headers(self.dead_letter_headers(error_kind, reason));
+        if let Some(key) = &self.held.key {
+            record = record.key(key);
+        }
+        match self.producer.send(record, DEAD_LETTER_TIMEOUT).await {
+            Ok(_) => self.settle(),
+            Err((error, _)) => {
+                warn!(
+                    pipeline = %self.shared.pipeline,
+                    %error,
+                    topic = %self.shared.source.dead_letter_topic,
+                    "Cannot store the dead letter; the message is tried again in a second."
+                );
+                self.set_aside();
+                let again = self.copy();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {
+                            again.again(again.held.attempt);
+                        }
+                        () = again.shared.shutdown.cancelled() => {}
+                    }
+                });
+                false
+            }
+        }
+    }
+
+    async fn retry(&self, attempt: u32, delay: Duration) -> bool {
+        self.set_aside();
+        let again = self.copy();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {
+                    again.again(attempt);
+                }
+                // Not settled: its offset is not committed, so it is read again after a
+                // restart.
+                () = again.shared.shutdown.cancelled() => {}
+            }
+        });
+        true
+    }
+
+    async fn requeue(&self) -> bool {
+        self.set_aside();
+        self.again(self.held.attempt)
+    }
+
+    async fn give_back(&self) -> bool {
+        self.requeue().await
+    }
+}

