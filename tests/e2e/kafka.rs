@@ -197,3 +197,163 @@ async fn a_host_killed_mid_stream_loses_and_doubles_nothing() {
     let _ = std::fs::remove_file(&path);
     env.cleanup().await;
 }
+
+/// The chaos plugin's record of `seq` for `key` (customer `key`, a unique order id, `seq` as
+/// its points): applied in the order the ledger's `applied` column counts.
+fn recorded(key: i64, seq: i64) -> Vec<u8> {
+    serde_json::json!({
+        "key": format!("seq-{key}-{seq}"),
+        "effects": [{"statement": "record_ledger", "params": [key, key * 100_000 + seq, seq]}],
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// A host of the chaos plugin on `topic`, the ledger counting the order rows are applied in.
+async fn chaos_host(
+    env: &TestEnv,
+    broker: &Tansu,
+    topic: &str,
+    source_extra: &str,
+    extra: &str,
+) -> idem_e2e::Host {
+    sqlx::raw_sql("ALTER TABLE point_ledger ADD COLUMN applied bigserial")
+        .execute(&env.pool)
+        .await
+        .expect("applied column");
+    let text = format!(
+        "{}{}",
+        env.config_header(),
+        broker.pipeline_table("loyalty", &plugin_path("chaos"), topic, source_extra, extra)
+    );
+    env.start_host(parse(&text))
+}
+
+/// Per key, the points (sequence numbers) in the order they were applied.
+async fn applied_by_key(env: &TestEnv) -> std::collections::BTreeMap<i64, Vec<i64>> {
+    let rows: Vec<(i64, i64)> =
+        sqlx::query_as("SELECT customer_id, points FROM point_ledger ORDER BY applied")
+            .fetch_all(&env.pool)
+            .await
+            .expect("ledger");
+    let mut by_key = std::collections::BTreeMap::<i64, Vec<i64>>::new();
+    for (key, seq) in rows {
+        by_key.entry(key).or_default().push(seq);
+    }
+    by_key
+}
+
+/// `ordering = "key"` (the default) with 8 workers and batches of 16: 8 keys × 60 sequence
+/// numbers over 4 partitions, each key's applied in the order produced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_of_one_key_are_applied_in_order() {
+    let env = TestEnv::new("kafka_order").await;
+    let broker = Tansu::start();
+    let topic = env.queue.clone();
+    broker.create_topic(&topic, 4).await;
+    const KEYS: i64 = 8;
+    const SEQS: i64 = 60;
+    for seq in 1..=SEQS {
+        for key in 0..KEYS {
+            broker
+                .produce(
+                    &topic,
+                    Some(&format!("key-{key}")),
+                    &recorded(key, seq),
+                    &[],
+                )
+                .await;
+        }
+    }
+    // Every seventh record of a key is slow to apply: without ordering, the next ones of its
+    // key would overtake it.
+    env.slow_ledger("NEW.points % 7 = 0", 0.05).await;
+    let host = chaos_host(
+        &env,
+        &broker,
+        &topic,
+        "",
+        "batch = { size = 16, linger = \"20ms\" }",
+    )
+    .await;
+    wait_for("every record applied", Duration::from_secs(120), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == KEYS * SEQS
+    })
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    let expected: Vec<i64> = (1..=SEQS).collect();
+    for (key, seqs) in applied_by_key(&env).await {
+        assert_eq!(seqs, expected, "key {key} applied out of order");
+    }
+    env.cleanup().await;
+}
+
+/// A message the plugin keeps asking to retry holds its key's later messages (in order) and
+/// nothing else: the other keys are all applied before the held key goes on, and the retried
+/// message ends as a dead letter once its tries are spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_message_holds_its_key_and_no_other() {
+    let env = TestEnv::new("kafka_retry").await;
+    let broker = Tansu::start();
+    let topic = env.queue.clone();
+    broker.create_topic(&topic, 2).await;
+    broker
+        .produce(&topic, Some("key-0"), br#"{"action": "retry"}"#, &[])
+        .await;
+    for seq in 1..=3 {
+        broker
+            .produce(&topic, Some("key-0"), &recorded(0, seq), &[])
+            .await;
+    }
+    for key in 1..=4 {
+        for seq in 1..=20 {
+            broker
+                .produce(
+                    &topic,
+                    Some(&format!("key-{key}")),
+                    &recorded(key, seq),
+                    &[],
+                )
+                .await;
+        }
+    }
+    let host = chaos_host(&env, &broker, &topic, "", "max_attempts = 4").await;
+    wait_for("every record applied", Duration::from_secs(120), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 3 + 4 * 20
+    })
+    .await;
+    let dead_letter_topic = format!("{topic}.dead-letter");
+    wait_for(
+        "the retried message dead-lettered",
+        Duration::from_secs(60),
+        || async { !broker.read_all(&dead_letter_topic).is_empty() },
+    )
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    let rows: Vec<(i64, i64)> =
+        sqlx::query_as("SELECT customer_id, applied FROM point_ledger ORDER BY applied")
+            .fetch_all(&env.pool)
+            .await
+            .expect("ledger");
+    let first_held = rows
+        .iter()
+        .filter(|(key, _)| *key == 0)
+        .map(|(_, applied)| *applied)
+        .min()
+        .expect("key 0 applied");
+    let last_other = rows
+        .iter()
+        .filter(|(key, _)| *key != 0)
+        .map(|(_, applied)| *applied)
+        .max()
+        .expect("other keys applied");
+    assert!(
+        last_other < first_held,
+        "the other keys went on while key 0 waited for its retries ({rows:?})"
+    );
+    assert_eq!(applied_by_key(&env).await[&0], vec![1, 2, 3]);
+    let letters = broker.read_all(&dead_letter_topic);
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].key.as_deref(), Some(&b"key-0"[..]));
+    env.cleanup().await;
+}
