@@ -357,3 +357,137 @@ async fn a_retried_message_holds_its_key_and_no_other() {
     assert_eq!(letters[0].key.as_deref(), Some(&b"key-0"[..]));
     env.cleanup().await;
 }
+
+/// Two hosts in one group under load, a third joining and the first leaving while orders
+/// keep coming: every order is credited once, and each rebalance gives every partition to a
+/// member that goes on from the committed floor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hosts_joining_and_leaving_a_group_under_load_lose_and_double_nothing() {
+    let env = TestEnv::new("kafka_group").await;
+    let broker = Arc::new(Tansu::start());
+    let topic = env.queue.clone();
+    broker.create_topic(&topic, 4).await;
+    let text = config_text(&env, &broker, &topic, "");
+    const ORDERS: i64 = 3_000;
+    let producing = {
+        let broker = Arc::clone(&broker);
+        let topic = topic.clone();
+        tokio::spawn(async move {
+            for order_id in 0..ORDERS {
+                let customer = order_id % 97;
+                let key = format!("customer-{customer}");
+                broker
+                    .produce(
+                        &topic,
+                        Some(&key),
+                        &order(order_id, customer, 1_000 + order_id),
+                        &[],
+                    )
+                    .await;
+                if order_id % 100 == 0 {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        })
+    };
+    let first = env.start_host(parse(&text));
+    let second = env.start_host(parse(&text));
+    let credited = || async { env.count("SELECT count(*) FROM point_ledger").await };
+    wait_for("a quarter credited", Duration::from_secs(120), || async {
+        credited().await >= ORDERS / 4
+    })
+    .await;
+    let third = env.start_host(parse(&text));
+    wait_for("half credited", Duration::from_secs(120), || async {
+        credited().await >= ORDERS / 2
+    })
+    .await;
+    first.stop().await.expect("the first host leaves cleanly");
+    producing.await.expect("producer");
+    wait_for("every order credited", Duration::from_secs(180), || async {
+        credited().await == ORDERS
+    })
+    .await;
+    second.stop().await.expect("second host stops");
+    third.stop().await.expect("third host stops");
+    env.assert_loyalty_consistent().await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM processed_messages WHERE consumer = 'loyalty'")
+            .await,
+        ORDERS,
+        "one claim per order"
+    );
+    env.cleanup().await;
+}
+
+/// `declare = false` and a topic that does not exist: the host stops at once with one line
+/// naming the setting; no retry can create it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_topic_without_declare_stops_the_host_naming_the_setting() {
+    let env = TestEnv::new("kafka_missing").await;
+    let broker = Tansu::start();
+    let text = config_text(&env, &broker, "no-such-topic", "declare = false");
+    let host = env.start_host(parse(&text));
+    wait_for(
+        "the host to stop by itself",
+        Duration::from_secs(60),
+        || async { host.is_finished() },
+    )
+    .await;
+    let error = host.stop().await.expect_err("a refusal");
+    assert!(
+        error.contains("pipelines.loyalty.source.topic") && error.contains("no-such-topic"),
+        "{error}"
+    );
+    env.cleanup().await;
+}
+
+/// A new group (no committed offset) with ledger claims starts at the claim window: orders
+/// produced before `now − retention.window`, whose claims retention would have deleted, are
+/// not applied; the ones inside it are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_group_starts_within_the_claim_window() {
+    let env = TestEnv::new("kafka_window").await;
+    let broker = Tansu::start();
+    let topic = env.queue.clone();
+    broker.create_topic(&topic, 2).await;
+    for order_id in 0..50 {
+        broker
+            .produce(&topic, Some("old"), &order(order_id, 1, 1_000), &[])
+            .await;
+    }
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    for order_id in 50..100 {
+        broker
+            .produce(&topic, Some("new"), &order(order_id, 2, 1_000), &[])
+            .await;
+    }
+    let text = format!(
+        "{}{}",
+        env.config_header(),
+        broker.pipeline_table(
+            "loyalty",
+            &plugin_path("loyalty"),
+            &topic,
+            "",
+            "retention = { window = \"5s\" }"
+        )
+    );
+    let host = env.start_host(parse(&text));
+    wait_for(
+        "the orders inside the window credited",
+        Duration::from_secs(60),
+        || async { env.count("SELECT count(*) FROM point_ledger").await == 50 },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(
+        env.count("SELECT count(*) FROM point_ledger WHERE order_id < 50")
+            .await,
+        0,
+        "nothing older than the window"
+    );
+    assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, 50);
+    env.cleanup().await;
+}

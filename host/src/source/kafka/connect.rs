@@ -6,9 +6,10 @@ use rdkafka::ClientConfig;
 
 use crate::config::KafkaConfig;
 
-/// The settings every client of `source` shares: brokers, security, pass-through properties.
-/// `client` names the connection in the brokers' logs.
-pub fn common(source: &KafkaConfig, client: &str) -> ClientConfig {
+/// The settings every client of `source` shares: brokers, security, and the pass-through
+/// properties (a consumer's own only for consumers). `client` names the connection in the
+/// brokers' logs.
+fn shared(source: &KafkaConfig, client: &str, consumer: bool) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", source.brokers.join(","))
@@ -40,15 +41,44 @@ pub fn common(source: &KafkaConfig, client: &str) -> ClientConfig {
             .set("sasl.password", &sasl.password);
     }
     for (name, value) in &source.properties {
-        config.set(name, value);
+        if consumer || !is_consumers(name) {
+            config.set(name, value);
+        }
     }
     config
+}
+
+/// The settings of a client that does not consume (the admin client, the producer).
+pub fn common(source: &KafkaConfig, client: &str) -> ClientConfig {
+    shared(source, client, false)
+}
+
+/// The librdkafka properties only a consumer reads (a producer given one warns in the log).
+const CONSUMER_PROPERTIES: [&str; 12] = [
+    "session.timeout.ms",
+    "heartbeat.interval.ms",
+    "max.poll.interval.ms",
+    "group.",
+    "fetch.",
+    "queued.",
+    "auto.commit.interval.ms",
+    "isolation.level",
+    "check.crcs",
+    "coordinator.query.interval.ms",
+    "consume.callback.max.messages",
+    "enable.partition.eof",
+];
+
+fn is_consumers(name: &str) -> bool {
+    CONSUMER_PROPERTIES.iter().any(|property| {
+        name == *property || (property.ends_with('.') && name.starts_with(property))
+    })
 }
 
 /// The group consumer's settings: no automatic commit or offset store (idem commits the
 /// settled floor), offsets set at assignment (a lost position falls back to the earliest).
 pub fn consumer(source: &KafkaConfig, client: &str) -> ClientConfig {
-    let mut config = common(source, client);
+    let mut config = shared(source, client, true);
     config
         .set("group.id", &source.group)
         .set("enable.auto.commit", "false")
@@ -64,7 +94,7 @@ pub fn consumer(source: &KafkaConfig, client: &str) -> ClientConfig {
 /// A consumer outside the group (reading dead letters, offsets and ends), which commits
 /// nothing.
 pub fn reader(source: &KafkaConfig, client: &str) -> ClientConfig {
-    let mut config = common(source, client);
+    let mut config = shared(source, client, true);
     config
         .set("group.id", &source.group)
         .set("enable.auto.commit", "false")

@@ -260,7 +260,15 @@ impl Context {
                 .map_or(0, |since| {
                     i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
                 });
-            match consumer.offsets_for_timestamp(since, timeout) {
+            let mut asked = TopicPartitionList::new();
+            for element in fresh.elements() {
+                let _ = asked.add_partition_offset(
+                    element.topic(),
+                    element.partition(),
+                    Offset::Offset(since),
+                );
+            }
+            match consumer.offsets_for_times(asked, timeout) {
                 Ok(found) => {
                     for element in found.elements() {
                         let partition = Partition::new(element.topic(), element.partition());
