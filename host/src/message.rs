@@ -4,11 +4,11 @@
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct InboundMessage {
     pub pipeline: String,
-    /// The kind of source: `rabbitmq` or `jetstream`.
+    /// The kind of source: `rabbitmq`, `jetstream` or `kafka`.
     pub source: String,
-    /// The queue (RabbitMQ) or stream (JetStream) consumed.
+    /// The queue (RabbitMQ), stream (JetStream) or topic (Kafka) consumed.
     pub queue: String,
-    /// The subject (JetStream), or the routing key (RabbitMQ).
+    /// The subject (JetStream), the routing key (RabbitMQ), or the topic (Kafka).
     pub subject: String,
     pub body: Vec<u8>,
     /// Headers in the source's order; non-string values rendered as text.

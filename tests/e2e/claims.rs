@@ -501,6 +501,7 @@ async fn example_pipelines_start_against_their_schemas() {
         "customer-profile",
         "receipts",
         "jetstream",
+        "kafka",
     ] {
         let path = Path::new(idem_e2e::REPO_ROOT)
             .join("examples")
