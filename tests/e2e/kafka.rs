@@ -4,11 +4,12 @@
 //! host killed mid-stream losing and doubling nothing.
 
 use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_e2e::kafka::Tansu;
-use idem_e2e::{TestEnv, order, plugin_path, spawn_idem, wait_for};
+use idem_e2e::{TestEnv, idem_binary, must_run, order, plugin_path, spawn_idem, wait_for};
 use idem_host::config::Config;
 use idem_host::source::dead_letters::{Action, Selection};
 use idem_host::source::{self, headers};
@@ -194,6 +195,26 @@ async fn a_host_killed_mid_stream_loses_and_doubles_nothing() {
         "the second host stops cleanly"
     );
     env.assert_loyalty_consistent().await;
+    // `idem check` and `idem status` read the topic, the group's offsets and the dead letters
+    // as `idem run` would, creating nothing.
+    let checked = must_run(
+        Command::new(idem_binary())
+            .args(["check", "--config"])
+            .arg(&path),
+    );
+    assert!(
+        checked.contains("4 partitions of") && checked.contains("has committed offsets"),
+        "{checked}"
+    );
+    let status = must_run(
+        Command::new(idem_binary())
+            .args(["status", "--config"])
+            .arg(&path),
+    );
+    assert!(
+        status.contains(&topic) && status.contains("4 partitions"),
+        "{status}"
+    );
     let _ = std::fs::remove_file(&path);
     env.cleanup().await;
 }
@@ -489,5 +510,102 @@ async fn a_new_group_starts_within_the_claim_window() {
         "nothing older than the window"
     );
     assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, 50);
+    env.cleanup().await;
+}
+
+/// No broker when the host starts: it keeps trying (saying so) instead of stopping, and
+/// consumes once a broker listens there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_down_at_start_is_waited_for() {
+    let env = TestEnv::new("kafka_down").await;
+    let port = idem_e2e::free_port();
+    let topic = env.queue.clone();
+    let text = format!(
+        "{}{}",
+        env.config_header(),
+        idem_e2e::kafka::pipeline_table(
+            &format!("127.0.0.1:{port}"),
+            "loyalty",
+            &plugin_path("loyalty"),
+            &topic,
+            "partitions = 2",
+            ""
+        )
+    );
+    let host = env.start_host(parse(&text));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(
+        !host.is_finished(),
+        "an unreachable broker is retried, not a stop"
+    );
+    let broker = Tansu::start_on(port);
+    // The host creates the topic (declare) once it reaches the broker.
+    for order_id in 0..100 {
+        let produced = tokio::time::timeout(
+            Duration::from_secs(30),
+            broker.produce(&topic, Some("k"), &order(order_id, 3, 1_000), &[]),
+        )
+        .await;
+        assert!(produced.is_ok(), "produce {order_id}");
+    }
+    wait_for("every order credited", Duration::from_secs(90), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 100
+    })
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    env.cleanup().await;
+}
+
+/// Brokers reached only over mutual TLS (a TLS-terminating proxy in front of tansu that
+/// requires a client certificate): with `tls = { ca_file, cert_file, key_file }` the host
+/// consumes every order; trusting another CA instead, it stops with one line naming `tls`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_is_spoken_and_a_wrong_authority_stops_the_host_naming_tls() {
+    let env = TestEnv::new("kafka_tls").await;
+    let directory = std::env::temp_dir().join(format!("{}-pki", env.database));
+    let pki = idem_e2e::tls::Pki::new(&directory);
+    let (broker, _proxy) = Tansu::start_behind_tls(&pki).await;
+    let topic = env.queue.clone();
+    broker.create_topic(&topic, 2).await;
+    for order_id in 0..50 {
+        broker
+            .produce(&topic, Some("k"), &order(order_id, 4, 1_000), &[])
+            .await;
+    }
+    let tls = |ca: &Path| {
+        format!(
+            "tls = {{ ca_file = \"{}\", cert_file = \"{}\", key_file = \"{}\" }}",
+            ca.display(),
+            pki.client_cert.display(),
+            pki.client_key.display()
+        )
+    };
+    let text = |source_extra: &str| {
+        format!(
+            "{}{}",
+            env.config_header(),
+            broker.pipeline_table("loyalty", &plugin_path("loyalty"), &topic, source_extra, "")
+        )
+    };
+    let host = env.start_host(parse(&text(&tls(&pki.ca))));
+    wait_for(
+        "every order credited over TLS",
+        Duration::from_secs(90),
+        || async { env.count("SELECT count(*) FROM point_ledger").await == 50 },
+    )
+    .await;
+    host.stop().await.expect("host stops cleanly");
+
+    let other = idem_e2e::tls::self_signed_ca(&directory, "other", "another CA");
+    let refused = env.start_host(parse(&text(&tls(&other))));
+    wait_for(
+        "the host to stop by itself",
+        Duration::from_secs(60),
+        || async { refused.is_finished() },
+    )
+    .await;
+    let error = refused.stop().await.expect_err("a refusal");
+    assert!(error.contains("pipelines.loyalty.source.tls"), "{error}");
+    let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;
 }

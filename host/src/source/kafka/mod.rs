@@ -25,6 +25,7 @@ mod topology;
 
 pub use depths::{Found, depths};
 pub use received::Received;
+pub use topology::Reader;
 
 use std::sync::{Arc, Condvar, Mutex};
 

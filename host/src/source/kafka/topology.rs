@@ -17,22 +17,80 @@ use super::{KafkaError, connect, poll};
 /// How long a metadata or admin request may take.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A client for metadata, offsets and ends (outside the group's membership).
-pub fn reader(source: &KafkaConfig, client: &str) -> Result<BaseConsumer, KafkaError> {
+/// A consumer outside the group's membership, for metadata, offsets, ends and dead letters.
+/// It keeps the last refusal librdkafka reported as a global error (a failed TLS handshake, a
+/// refused login), which a request that failed only says as a transport failure or a timeout.
+pub type Reader = BaseConsumer<Recorder>;
+
+/// A reader's context: the last refusal among librdkafka's global errors, with its reason.
+#[derive(Default)]
+pub struct Recorder {
+    refused: std::sync::Mutex<Option<KafkaError>>,
+}
+
+impl rdkafka::ClientContext for Recorder {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, facility: &str, line: &str) {
+        tracing::debug!(?level, facility, "librdkafka: {line}");
+    }
+
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        tracing::debug!(%error, reason, "librdkafka reader error");
+        // A transport failure right after a failed handshake must not hide it.
+        if let Some(setting) = poll::refusal(&error) {
+            let refused = KafkaError::Refused {
+                reason: format!("{error}: {reason}"),
+                setting: setting.to_string(),
+            };
+            *self
+                .refused
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(refused);
+        }
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for Recorder {}
+
+/// A reader of `source`'s brokers, named `client` in their logs.
+pub fn reader(source: &KafkaConfig, client: &str) -> Result<Reader, KafkaError> {
     connect::reader(source, client)
-        .create()
+        .create_with_context(Recorder::default())
         .map_err(|error| KafkaError::Client(error.to_string()))
+}
+
+/// Why `reader`'s request failed with `error`: a refusal it recorded (stop, naming the
+/// setting), or the brokers unreachable (retry).
+pub fn failed(
+    reader: &Reader,
+    source: &KafkaConfig,
+    error: &rdkafka::error::KafkaError,
+) -> KafkaError {
+    // librdkafka reports a failed handshake or login as an event the next poll serves.
+    let _ = reader.poll(Duration::from_millis(100));
+    let recorded = reader
+        .context()
+        .refused
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    match recorded {
+        Some(KafkaError::Refused { reason, setting }) => KafkaError::Refused {
+            reason,
+            setting: format!("{}.{setting}", source.table),
+        },
+        _ => unreachable_or_refused(source, error),
+    }
 }
 
 /// The partition count of each topic the cluster has, of those asked for (blocking).
 pub fn partitions(
-    reader: &BaseConsumer,
+    reader: &Reader,
     source: &KafkaConfig,
     topics: &[String],
 ) -> Result<BTreeMap<String, usize>, KafkaError> {
     let metadata = reader
         .fetch_metadata(None, REQUEST_TIMEOUT)
-        .map_err(|error| unreachable_or_refused(source, &error))?;
+        .map_err(|error| failed(reader, source, &error))?;
     Ok(metadata
         .topics()
         .iter()
