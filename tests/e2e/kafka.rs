@@ -22,6 +22,15 @@ fn config_text(env: &TestEnv, broker: &Tansu, topic: &str, source_extra: &str) -
     )
 }
 
+/// A test's database and queues, a broker of its own, and a topic of `partitions` on it.
+async fn with_topic(name: &str, partitions: i32) -> (TestEnv, Arc<Tansu>, String) {
+    let env = TestEnv::new(name).await;
+    let broker = Arc::new(Tansu::start());
+    let topic = env.queue.clone();
+    broker.create_topic(&topic, partitions).await;
+    (env, broker, topic)
+}
+
 fn parse(text: &str) -> Config {
     Config::from_toml(Path::new("/tmp/idem-kafka-test.toml"), text)
         .unwrap_or_else(|error| panic!("{error}\n{text}"))
@@ -58,10 +67,7 @@ async fn produce_orders(broker: &Arc<Tansu>, topic: &str, orders: i64) {
 /// replays one (its copy back on the topic, with the replay counted) and then lists one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_topic_with_duplicates_credits_every_order_once() {
-    let env = TestEnv::new("kafka_loyalty").await;
-    let broker = Arc::new(Tansu::start());
-    let topic = env.queue.clone();
-    broker.create_topic(&topic, 4).await;
+    let (env, broker, topic) = with_topic("kafka_loyalty", 4).await;
     let config = parse(&config_text(&env, &broker, &topic, ""));
     let pipeline = config.pipelines[0].clone();
     let host = env.start_host(config);
@@ -165,10 +171,7 @@ async fn a_partitioned_topic_with_duplicates_credits_every_order_once() {
 /// applied after the last commit is a duplicate the claim recognises).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_killed_mid_stream_loses_and_doubles_nothing() {
-    let env = TestEnv::new("kafka_kill").await;
-    let broker = Arc::new(Tansu::start());
-    let topic = env.queue.clone();
-    broker.create_topic(&topic, 4).await;
+    let (env, broker, topic) = with_topic("kafka_kill", 4).await;
     let path = std::env::temp_dir().join(format!("{}.toml", env.database));
     std::fs::write(&path, config_text(&env, &broker, &topic, "")).expect("config");
     const ORDERS: i64 = 2_000;
@@ -264,14 +267,12 @@ async fn applied_by_key(env: &TestEnv) -> std::collections::BTreeMap<i64, Vec<i6
     by_key
 }
 
-/// `ordering = "key"` (the default) with 8 workers and batches of 16: 8 keys × 60 sequence
-/// numbers over 4 partitions, each key's applied in the order produced.
+/// `ordering = "key"` (the default) with 8 workers, batches of 16 and partitions paused at 8
+/// messages in flight: 8 keys × 60 sequence numbers over 4 partitions, each key's applied in
+/// the order produced, none lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_of_one_key_are_applied_in_order() {
-    let env = TestEnv::new("kafka_order").await;
-    let broker = Tansu::start();
-    let topic = env.queue.clone();
-    broker.create_topic(&topic, 4).await;
+    let (env, broker, topic) = with_topic("kafka_order", 4).await;
     const KEYS: i64 = 8;
     const SEQS: i64 = 60;
     for seq in 1..=SEQS {
@@ -293,7 +294,9 @@ async fn messages_of_one_key_are_applied_in_order() {
         &env,
         &broker,
         &topic,
-        "",
+        // A partition is paused at 8 messages received and not settled, and resumed at 4:
+        // what it had fetched and not handed out is fetched again, nothing lost.
+        "in_flight_per_partition = 8",
         "batch = { size = 16, linger = \"20ms\" }",
     )
     .await;
@@ -314,10 +317,7 @@ async fn messages_of_one_key_are_applied_in_order() {
 /// message ends as a dead letter once its tries are spent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_message_holds_its_key_and_no_other() {
-    let env = TestEnv::new("kafka_retry").await;
-    let broker = Tansu::start();
-    let topic = env.queue.clone();
-    broker.create_topic(&topic, 2).await;
+    let (env, broker, topic) = with_topic("kafka_retry", 2).await;
     broker
         .produce(&topic, Some("key-0"), br#"{"action": "retry"}"#, &[])
         .await;
@@ -384,10 +384,7 @@ async fn a_retried_message_holds_its_key_and_no_other() {
 /// member that goes on from the committed floor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hosts_joining_and_leaving_a_group_under_load_lose_and_double_nothing() {
-    let env = TestEnv::new("kafka_group").await;
-    let broker = Arc::new(Tansu::start());
-    let topic = env.queue.clone();
-    broker.create_topic(&topic, 4).await;
+    let (env, broker, topic) = with_topic("kafka_group", 4).await;
     let text = config_text(&env, &broker, &topic, "");
     const ORDERS: i64 = 3_000;
     let producing = {
@@ -468,10 +465,7 @@ async fn a_missing_topic_without_declare_stops_the_host_naming_the_setting() {
 /// not applied; the ones inside it are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_group_starts_within_the_claim_window() {
-    let env = TestEnv::new("kafka_window").await;
-    let broker = Tansu::start();
-    let topic = env.queue.clone();
-    broker.create_topic(&topic, 2).await;
+    let (env, broker, topic) = with_topic("kafka_window", 2).await;
     for order_id in 0..50 {
         broker
             .produce(&topic, Some("old"), &order(order_id, 1, 1_000), &[])

@@ -276,8 +276,8 @@ impl Drop for Tansu {
 }
 
 /// A `[pipelines.<pipeline>]` table consuming `topic` on `brokers` with `plugin`;
-/// `source_extra` (lines) goes into its source table, `extra` into the pipeline's table. A new group's first
-/// assignment waits half of `session.timeout.ms` on tansu: 6 s keeps it at 3 s.
+/// `source_extra` (lines) goes into its source table, `extra` into the pipeline's table. A
+/// new group's first assignment waits half of `session.timeout.ms` on tansu: 6 s makes it 3 s.
 pub fn pipeline_table(
     brokers: &str,
     pipeline: &str,

@@ -173,8 +173,8 @@ impl Source for Session {
     }
 
     async fn stop(&mut self) {
-        // Nothing is handed out after this; the poll thread goes on until close, so the
-        // group keeps this member while its last transactions settle.
+        // The consume loop takes nothing more; the poll thread goes on until close, so the
+        // group keeps this member (and its commits) while the last transactions settle.
     }
 
     /// What was received and not handed out stays unsettled, so the partition's next owner

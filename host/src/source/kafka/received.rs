@@ -5,6 +5,7 @@
 //! settled. A retry or a requeue keeps the message here, its lane held, its offset open.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rdkafka::message::{Header, OwnedHeaders};
@@ -25,6 +26,10 @@ pub struct Received {
     lane: Lane,
     shared: Arc<Shared>,
     producer: FutureProducer,
+    /// No longer in a transaction: settled, or set aside for a retry or a requeue. A delivery
+    /// dropped before (a worker that panicked) goes back to its lane, so its key does not
+    /// wait for ever.
+    finished: AtomicBool,
 }
 
 impl Received {
@@ -71,6 +76,7 @@ impl Received {
             lane,
             shared,
             producer,
+            finished: AtomicBool::new(false),
         }
     }
 
@@ -78,6 +84,7 @@ impl Received {
     /// partition was revoked or lost meanwhile (the next owner reads it again, and the claim
     /// makes an applied one a duplicate).
     fn settle(&self) -> bool {
+        self.finished.store(true, Ordering::Relaxed);
         let partition = &self.held.partition;
         let mut state = self.shared.lock();
         Shared::returned(&mut state, partition);
@@ -107,7 +114,8 @@ impl Received {
         true
     }
 
-    /// The same delivery, for a task that puts it back later.
+    /// The same message, for a task that puts it back in its lane later (it is not in a
+    /// transaction: dropping it does nothing).
     fn copy(&self) -> Received {
         Received {
             message: self.message.clone(),
@@ -115,11 +123,13 @@ impl Received {
             lane: self.lane.clone(),
             shared: Arc::clone(&self.shared),
             producer: self.producer.clone(),
+            finished: AtomicBool::new(true),
         }
     }
 
     /// Not in a transaction any more, though not settled: a revoke need not wait for it.
     fn set_aside(&self) {
+        self.finished.store(true, Ordering::Relaxed);
         let mut state = self.shared.lock();
         Shared::returned(&mut state, &self.held.partition);
         drop(state);
@@ -158,6 +168,16 @@ impl Received {
             });
         }
         headers
+    }
+}
+
+impl Drop for Received {
+    fn drop(&mut self) {
+        if !self.finished.load(Ordering::Relaxed) {
+            warn!(pipeline = %self.shared.pipeline, delivery = %self.describe(), "A Kafka delivery was dropped unsettled; it goes back to its lane.");
+            self.set_aside();
+            self.again(self.held.attempt);
+        }
     }
 }
 
