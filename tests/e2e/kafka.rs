@@ -233,6 +233,13 @@ fn recorded(key: i64, seq: i64) -> Vec<u8> {
     .into_bytes()
 }
 
+/// Produces the record of `seq` for `key`, keyed `key-<key>`.
+async fn produce_recorded(broker: &Tansu, topic: &str, key: i64, seq: i64) {
+    broker
+        .produce(topic, Some(&format!("key-{key}")), &recorded(key, seq), &[])
+        .await;
+}
+
 /// A host of the chaos plugin on `topic`, the ledger counting the order rows are applied in.
 async fn chaos_host(
     env: &TestEnv,
@@ -277,14 +284,7 @@ async fn messages_of_one_key_are_applied_in_order() {
     const SEQS: i64 = 60;
     for seq in 1..=SEQS {
         for key in 0..KEYS {
-            broker
-                .produce(
-                    &topic,
-                    Some(&format!("key-{key}")),
-                    &recorded(key, seq),
-                    &[],
-                )
-                .await;
+            produce_recorded(&broker, &topic, key, seq).await;
         }
     }
     // Every seventh record of a key is slow to apply: without ordering, the next ones of its
@@ -322,20 +322,11 @@ async fn a_retried_message_holds_its_key_and_no_other() {
         .produce(&topic, Some("key-0"), br#"{"action": "retry"}"#, &[])
         .await;
     for seq in 1..=3 {
-        broker
-            .produce(&topic, Some("key-0"), &recorded(0, seq), &[])
-            .await;
+        produce_recorded(&broker, &topic, 0, seq).await;
     }
     for key in 1..=4 {
         for seq in 1..=20 {
-            broker
-                .produce(
-                    &topic,
-                    Some(&format!("key-{key}")),
-                    &recorded(key, seq),
-                    &[],
-                )
-                .await;
+            produce_recorded(&broker, &topic, key, seq).await;
         }
     }
     let host = chaos_host(&env, &broker, &topic, "", "max_attempts = 4").await;

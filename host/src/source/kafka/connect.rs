@@ -91,16 +91,12 @@ pub fn consumer(source: &KafkaConfig, client: &str) -> ClientConfig {
     config
 }
 
-/// A consumer outside the group (reading dead letters, offsets and ends), which commits
-/// nothing.
+/// A consumer that never joins the group (it assigns partitions itself, to read dead
+/// letters, offsets and ends) and commits nothing: the group consumer's settings, and the
+/// end of each partition said.
 pub fn reader(source: &KafkaConfig, client: &str) -> ClientConfig {
-    let mut config = shared(source, client, true);
-    config
-        .set("group.id", &source.group)
-        .set("enable.auto.commit", "false")
-        .set("enable.auto.offset.store", "false")
-        .set("enable.partition.eof", "true")
-        .set("auto.offset.reset", "earliest");
+    let mut config = consumer(source, client);
+    config.set("enable.partition.eof", "true");
     config
 }
 

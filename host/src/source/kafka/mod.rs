@@ -30,6 +30,7 @@ pub use topology::Reader;
 use std::sync::{Arc, Condvar, Mutex};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError as ClientError, RDKafkaErrorCode};
 use rdkafka::producer::FutureProducer;
 use tokio_util::sync::CancellationToken;
 
@@ -62,6 +63,30 @@ impl KafkaError {
     /// Whether the operator must change the configuration: retrying cannot help.
     pub fn is_refused(&self) -> bool {
         matches!(self, KafkaError::Refused { .. })
+    }
+
+    /// `error` (with librdkafka's `reason`, when it gave one) as a refusal naming the setting
+    /// of `table` to change, when no retry can fix it: a failed login or TLS handshake, a
+    /// topic or group not authorised.
+    pub(super) fn refused(
+        table: &str,
+        error: &ClientError,
+        reason: Option<&str>,
+    ) -> Option<KafkaError> {
+        let setting = match error.rdkafka_error_code()? {
+            RDKafkaErrorCode::Authentication | RDKafkaErrorCode::SaslAuthenticationFailed => "sasl",
+            RDKafkaErrorCode::SSL => "tls",
+            RDKafkaErrorCode::TopicAuthorizationFailed => "topic",
+            RDKafkaErrorCode::GroupAuthorizationFailed => "group",
+            _ => return None,
+        };
+        Some(KafkaError::Refused {
+            reason: match reason {
+                Some(reason) => format!("{error}: {reason}"),
+                None => error.to_string(),
+            },
+            setting: format!("{table}.{setting}"),
+        })
     }
 }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
-use rdkafka::error::{KafkaError as ClientError, RDKafkaErrorCode};
+use rdkafka::error::KafkaError as ClientError;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
@@ -22,9 +22,10 @@ use tracing::{debug, info, warn};
 
 use crate::config::{KafkaConfig, KafkaStart};
 
-use super::KafkaError;
 use super::lanes::{Lane, Lanes};
 use super::offsets::{Floors, Partition};
+use super::{KIND, KafkaError};
+use crate::message::InboundMessage;
 
 /// A message received and not settled: what the plugin sees, and where it came from.
 #[derive(Debug, Clone)]
@@ -33,12 +34,21 @@ pub struct Held {
     pub epoch: u64,
     pub offset: i64,
     pub key: Option<Vec<u8>>,
-    pub payload: Vec<u8>,
+    /// The headers as produced (a dead letter copies them byte for byte).
     pub headers: Vec<(String, Option<Vec<u8>>)>,
-    /// Milliseconds since 1970, when the message has a timestamp.
-    pub timestamp: Option<i64>,
     /// The plugin's try this is (1 at first, more after retries).
     pub attempt: u32,
+    /// What the plugin sees: the value is its body.
+    pub message: InboundMessage,
+}
+
+impl Held {
+    /// `self` as try `attempt`.
+    pub fn on_try(mut self, attempt: u32) -> Held {
+        self.attempt = attempt;
+        self.message.redelivered = attempt > 1;
+        self
+    }
 }
 
 /// What the poll thread, the deliveries and `next` share.
@@ -78,9 +88,26 @@ impl Shared {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A message handed out is done with (settled, or back in its lane): one fewer in flight.
-    pub fn returned(state: &mut State, partition: &Partition) {
-        if let Some(out) = state.out.get_mut(partition) {
+    /// `held` back in `lane`, first of it, as try `attempt` (its offset stays open); `false`
+    /// when its assignment is over.
+    pub fn put_back(&self, lane: &Lane, held: &Held, attempt: u32) -> bool {
+        let mut state = self.lock();
+        if state.floors.epoch(&held.partition) != Some(held.epoch) {
+            return false;
+        }
+        state
+            .lanes
+            .again(lane.clone(), held.clone().on_try(attempt));
+        drop(state);
+        self.ready.notify_one();
+        true
+    }
+}
+
+impl State {
+    /// A message handed out is done with (settled, or set aside): one fewer in flight.
+    pub fn returned(&mut self, partition: &Partition) {
+        if let Some(out) = self.out.get_mut(partition) {
             *out = out.saturating_sub(1);
         }
     }
@@ -106,30 +133,14 @@ impl ClientContext for Context {
 
     fn error(&self, error: ClientError, reason: &str) {
         let pipeline = &self.shared.pipeline;
-        if let Some(setting) = refusal(&error) {
-            let refused = KafkaError::Refused {
-                reason: format!("{error}: {reason}"),
-                setting: format!("{}.{setting}", self.shared.source.table),
-            };
+        if let Some(refused) = KafkaError::refused(&self.shared.source.table, &error, Some(reason))
+        {
             warn!(%pipeline, error = %refused, "Kafka refused the consumer.");
             self.shared.lock().failure = Some(refused);
             self.shared.ready.notify_one();
             return;
         }
         warn!(%pipeline, %error, reason, "Kafka unavailable; librdkafka keeps reconnecting.");
-    }
-}
-
-/// The setting to change when `error` is a refusal no retry can fix.
-pub fn refusal(error: &ClientError) -> Option<&'static str> {
-    match error.rdkafka_error_code()? {
-        RDKafkaErrorCode::Authentication | RDKafkaErrorCode::SaslAuthenticationFailed => {
-            Some("sasl")
-        }
-        RDKafkaErrorCode::SSL => Some("tls"),
-        RDKafkaErrorCode::TopicAuthorizationFailed => Some("topic"),
-        RDKafkaErrorCode::GroupAuthorizationFailed => Some("group"),
-        _ => None,
     }
 }
 
@@ -412,13 +423,8 @@ pub fn run(consumer: BaseConsumer<Context>, shared: Arc<Shared>) {
         match consumer.poll(Duration::from_millis(100)) {
             Some(Ok(message)) => receive(&shared, &message),
             Some(Err(error)) => {
-                if let Some(setting) = refusal(&error) {
-                    let mut state = shared.lock();
-                    state.failure = Some(KafkaError::Refused {
-                        reason: error.to_string(),
-                        setting: format!("{}.{setting}", shared.source.table),
-                    });
-                    drop(state);
+                if let Some(refused) = KafkaError::refused(&shared.source.table, &error, None) {
+                    shared.lock().failure = Some(refused);
                     shared.ready.notify_one();
                 } else {
                     warn!(pipeline = %shared.pipeline, %error, "Kafka consume error; polling on.");
@@ -451,25 +457,7 @@ fn receive(shared: &Shared, message: &BorrowedMessage<'_>) {
     if !state.floors.received(&partition, epoch, message.offset()) {
         return;
     }
-    let headers = message
-        .headers()
-        .map(|headers| {
-            headers
-                .iter()
-                .map(|header| (header.key.to_string(), header.value.map(<[u8]>::to_vec)))
-                .collect()
-        })
-        .unwrap_or_default();
-    let held = Held {
-        partition: partition.clone(),
-        epoch,
-        offset: message.offset(),
-        key: message.key().map(<[u8]>::to_vec),
-        payload: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
-        headers,
-        timestamp: message.timestamp().to_millis(),
-        attempt: 1,
-    };
+    let held = held(shared, partition.clone(), epoch, message);
     let lane = Lane::of(
         shared.source.ordering,
         &partition,
@@ -479,6 +467,56 @@ fn receive(shared: &Shared, message: &BorrowedMessage<'_>) {
     state.lanes.push(lane, held);
     drop(state);
     shared.ready.notify_one();
+}
+
+/// A message received in assignment `epoch`, as the plugin will see it.
+fn held(shared: &Shared, partition: Partition, epoch: u64, message: &BorrowedMessage<'_>) -> Held {
+    let headers: Vec<(String, Option<Vec<u8>>)> = message
+        .headers()
+        .map(|headers| {
+            headers
+                .iter()
+                .map(|header| (header.key.to_string(), header.value.map(<[u8]>::to_vec)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    let key = message.key().map(<[u8]>::to_vec);
+    let mut attributes = vec![
+        ("topic".to_string(), partition.topic.clone()),
+        ("partition".to_string(), partition.partition.to_string()),
+        ("offset".to_string(), message.offset().to_string()),
+    ];
+    if let Some(key) = &key {
+        attributes.push(("key".to_string(), text(key)));
+    }
+    if let Some(timestamp) = message.timestamp().to_millis() {
+        attributes.push(("timestamp".to_string(), timestamp.to_string()));
+    }
+    let inbound = InboundMessage {
+        pipeline: shared.pipeline.clone(),
+        source: KIND.to_string(),
+        queue: partition.topic.clone(),
+        subject: partition.topic.clone(),
+        body: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+        headers: headers
+            .iter()
+            .map(|(name, value)| (name.clone(), value.as_deref().map(text).unwrap_or_default()))
+            .collect(),
+        message_id: None,
+        redelivered: false,
+        delivery_count: None,
+        attributes,
+    };
+    Held {
+        partition,
+        epoch,
+        offset: message.offset(),
+        key,
+        headers,
+        attempt: 1,
+        message: inbound,
+    }
 }
 
 /// Pauses each partition whose messages received and not settled reached the limit, and

@@ -15,13 +15,11 @@ use tracing::warn;
 use crate::message::InboundMessage;
 use crate::source::{Delivery, headers, unix_seconds};
 
-use super::KIND;
 use super::lanes::Lane;
 use super::poll::{Held, Shared};
 
 /// A delivery from one of the pipeline's partitions.
 pub struct Received {
-    message: InboundMessage,
     held: Held,
     lane: Lane,
     shared: Arc<Shared>,
@@ -39,39 +37,7 @@ impl Received {
         shared: Arc<Shared>,
         producer: FutureProducer,
     ) -> Received {
-        let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
-        let mut attributes = vec![
-            ("topic".to_string(), held.partition.topic.clone()),
-            (
-                "partition".to_string(),
-                held.partition.partition.to_string(),
-            ),
-            ("offset".to_string(), held.offset.to_string()),
-        ];
-        if let Some(key) = &held.key {
-            attributes.push(("key".to_string(), text(key)));
-        }
-        if let Some(timestamp) = held.timestamp {
-            attributes.push(("timestamp".to_string(), timestamp.to_string()));
-        }
-        let message = InboundMessage {
-            pipeline: shared.pipeline.clone(),
-            source: KIND.to_string(),
-            queue: held.partition.topic.clone(),
-            subject: held.partition.topic.clone(),
-            body: held.payload.clone(),
-            headers: held
-                .headers
-                .iter()
-                .map(|(name, value)| (name.clone(), value.as_deref().map(text).unwrap_or_default()))
-                .collect(),
-            message_id: None,
-            redelivered: held.attempt > 1,
-            delivery_count: None,
-            attributes,
-        };
         Received {
-            message,
             held,
             lane,
             shared,
@@ -87,7 +53,7 @@ impl Received {
         self.finished.store(true, Ordering::Relaxed);
         let partition = &self.held.partition;
         let mut state = self.shared.lock();
-        Shared::returned(&mut state, partition);
+        state.returned(partition);
         let current = state
             .floors
             .settled(partition, self.held.epoch, self.held.offset);
@@ -100,38 +66,30 @@ impl Received {
         current
     }
 
-    /// Back in its lane, first of it, as try `attempt` (its offset stays open).
-    fn again(&self, attempt: u32) -> bool {
-        let mut state = self.shared.lock();
-        if state.floors.epoch(&self.held.partition) != Some(self.held.epoch) {
-            return false;
-        }
-        let mut held = self.held.clone();
-        held.attempt = attempt;
-        state.lanes.again(self.lane.clone(), held);
-        drop(state);
-        self.shared.ready.notify_one();
-        true
-    }
-
-    /// The same message, for a task that puts it back in its lane later (it is not in a
-    /// transaction: dropping it does nothing).
-    fn copy(&self) -> Received {
-        Received {
-            message: self.message.clone(),
-            held: self.held.clone(),
-            lane: self.lane.clone(),
-            shared: Arc::clone(&self.shared),
-            producer: self.producer.clone(),
-            finished: AtomicBool::new(true),
-        }
+    /// Back in its lane after `delay` (at once for none), as try `attempt`; not if the host
+    /// stops first: unsettled, its offset is not committed, so it is read again after a
+    /// restart.
+    fn again_after(&self, delay: Duration, attempt: u32) {
+        let (shared, lane, held) = (
+            Arc::clone(&self.shared),
+            self.lane.clone(),
+            self.held.clone(),
+        );
+        tokio::spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {
+                    shared.put_back(&lane, &held, attempt);
+                }
+                () = shared.shutdown.cancelled() => {}
+            }
+        });
     }
 
     /// Not in a transaction any more, though not settled: a revoke need not wait for it.
     fn set_aside(&self) {
         self.finished.store(true, Ordering::Relaxed);
         let mut state = self.shared.lock();
-        Shared::returned(&mut state, &self.held.partition);
+        state.returned(&self.held.partition);
         drop(state);
         self.shared.settled.notify_all();
     }
@@ -176,7 +134,8 @@ impl Drop for Received {
         if !self.finished.load(Ordering::Relaxed) {
             warn!(pipeline = %self.shared.pipeline, delivery = %self.describe(), "A Kafka delivery was dropped unsettled; it goes back to its lane.");
             self.set_aside();
-            self.again(self.held.attempt);
+            self.shared
+                .put_back(&self.lane, &self.held, self.held.attempt);
         }
     }
 }
@@ -187,7 +146,7 @@ const DEAD_LETTER_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Delivery for Received {
     fn message(&self) -> &InboundMessage {
-        &self.message
+        &self.held.message
     }
 
     fn attempt(&self) -> u32 {
@@ -204,7 +163,7 @@ impl Delivery for Received {
 
     async fn dead_letter(&self, error_kind: &'static str, reason: &str) -> bool {
         let mut record = FutureRecord::to(&self.shared.source.dead_letter_topic)
-            .payload(&self.held.payload)
+            .payload(&self.held.message.body)
             .headers(self.dead_letter_headers(error_kind, reason));
         if let Some(key) = &self.held.key {
             record = record.key(key);
@@ -219,15 +178,7 @@ impl Delivery for Received {
                     "Cannot store the dead letter; the message is tried again in a second."
                 );
                 self.set_aside();
-                let again = self.copy();
-                tokio::spawn(async move {
-                    tokio::select! {
-                        () = tokio::time::sleep(Duration::from_secs(1)) => {
-                            again.again(again.held.attempt);
-                        }
-                        () = again.shared.shutdown.cancelled() => {}
-                    }
-                });
+                self.again_after(Duration::from_secs(1), self.held.attempt);
                 false
             }
         }
@@ -235,23 +186,14 @@ impl Delivery for Received {
 
     async fn retry(&self, attempt: u32, delay: Duration) -> bool {
         self.set_aside();
-        let again = self.copy();
-        tokio::spawn(async move {
-            tokio::select! {
-                () = tokio::time::sleep(delay) => {
-                    again.again(attempt);
-                }
-                // Not settled: its offset is not committed, so it is read again after a
-                // restart.
-                () = again.shared.shutdown.cancelled() => {}
-            }
-        });
+        self.again_after(delay, attempt);
         true
     }
 
     async fn requeue(&self) -> bool {
         self.set_aside();
-        self.again(self.held.attempt)
+        self.shared
+            .put_back(&self.lane, &self.held, self.held.attempt)
     }
 
     async fn give_back(&self) -> bool {

@@ -12,7 +12,7 @@ use rdkafka::types::RDKafkaErrorCode;
 
 use crate::config::KafkaConfig;
 
-use super::{KafkaError, connect, poll};
+use super::{KafkaError, connect};
 
 /// How long a metadata or admin request may take.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -22,9 +22,10 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// refused login), which a request that failed only says as a transport failure or a timeout.
 pub type Reader = BaseConsumer<Recorder>;
 
-/// A reader's context: the last refusal among librdkafka's global errors, with its reason.
-#[derive(Default)]
+/// A reader's context: the last refusal among librdkafka's global errors, with its reason,
+/// naming a setting of `table`.
 pub struct Recorder {
+    table: String,
     refused: std::sync::Mutex<Option<KafkaError>>,
 }
 
@@ -36,11 +37,7 @@ impl rdkafka::ClientContext for Recorder {
     fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
         tracing::debug!(%error, reason, "librdkafka reader error");
         // A transport failure right after a failed handshake must not hide it.
-        if let Some(setting) = poll::refusal(&error) {
-            let refused = KafkaError::Refused {
-                reason: format!("{error}: {reason}"),
-                setting: setting.to_string(),
-            };
+        if let Some(refused) = KafkaError::refused(&self.table, &error, Some(reason)) {
             *self
                 .refused
                 .lock()
@@ -54,7 +51,10 @@ impl rdkafka::consumer::ConsumerContext for Recorder {}
 /// A reader of `source`'s brokers, named `client` in their logs.
 pub fn reader(source: &KafkaConfig, client: &str) -> Result<Reader, KafkaError> {
     connect::reader(source, client)
-        .create_with_context(Recorder::default())
+        .create_with_context(Recorder {
+            table: source.table.clone(),
+            refused: std::sync::Mutex::default(),
+        })
         .map_err(|error| KafkaError::Client(error.to_string()))
 }
 
@@ -73,13 +73,7 @@ pub fn failed(
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .take();
-    match recorded {
-        Some(KafkaError::Refused { reason, setting }) => KafkaError::Refused {
-            reason,
-            setting: format!("{}.{setting}", source.table),
-        },
-        _ => unreachable_or_refused(source, error),
-    }
+    recorded.unwrap_or_else(|| unreachable_or_refused(source, error))
 }
 
 /// The partition count of each topic the cluster has, of those asked for (blocking).
@@ -105,16 +99,10 @@ pub fn unreachable_or_refused(
     source: &KafkaConfig,
     error: &rdkafka::error::KafkaError,
 ) -> KafkaError {
-    match poll::refusal(error) {
-        Some(setting) => KafkaError::Refused {
-            reason: error.to_string(),
-            setting: format!("{}.{setting}", source.table),
-        },
-        None => KafkaError::Connect {
-            brokers: source.brokers.join(","),
-            reason: error.to_string(),
-        },
-    }
+    KafkaError::refused(&source.table, error, None).unwrap_or_else(|| KafkaError::Connect {
+        brokers: source.brokers.join(","),
+        reason: error.to_string(),
+    })
 }
 
 /// Makes sure the consumed topics and the dead-letter topic exist: created when missing
