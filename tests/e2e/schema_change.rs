@@ -309,6 +309,72 @@ async fn a_fault_pause_gives_back_what_it_holds_in_batches() {
     .await;
 }
 
+/// The transaction that kept trying while a configuration fault paused the pipeline (the
+/// ledger refusing writes, as a revoked privilege does: 42501) gives up (its claim waits on a
+/// lock past `statement_timeout`, `timeouts = 1`), so its message goes back with the others.
+/// The fault is then mended: the next message the consumer takes alone to find out commits,
+/// which ends the pause, and every order applies. (The pause used to end only with the
+/// transaction that caused it, so the pipeline took one message per half-minute release
+/// cycle for ever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_whose_trying_transaction_gave_up_ends_with_the_next_commit() {
+    let env = TestEnv::new("pause_probe_gave_up").await;
+    let extra = "[pipelines.loyalty.transaction]\nstatement_timeout = \"300ms\"\ntimeouts = 1";
+    let host = env.start_host(env.config("loyalty", extra));
+    env.publish(&order(0, 0, 100)).await;
+    wait_for("the first order", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 1
+    })
+    .await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_ledger() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN RAISE EXCEPTION 'permission denied for table point_ledger' \
+         USING ERRCODE = '42501'; END $$; \
+         CREATE TRIGGER refuse_ledger BEFORE INSERT ON point_ledger \
+         FOR EACH ROW EXECUTE FUNCTION refuse_ledger()",
+    )
+    .execute(&env.pool)
+    .await
+    .expect("refuse the ledger's writes");
+    const MORE: i64 = 60;
+    for order_id in 1..=MORE {
+        env.publish(&order(order_id, order_id % 5, 100)).await;
+    }
+    wait_for("the pipeline paused", Duration::from_secs(30), || async {
+        unacked(&env.queue) == 1 && env.ready(&env.queue).await == MORE as u32 - 1
+    })
+    .await;
+    // The mend waits, uncommitted, behind a lock that the trying transaction's claim meets.
+    let mut mend = env.pool.begin().await.expect("begin the mend");
+    sqlx::raw_sql(
+        "LOCK TABLE processed_messages IN ACCESS EXCLUSIVE MODE; \
+         DROP TRIGGER refuse_ledger ON point_ledger",
+    )
+    .execute(&mut *mend)
+    .await
+    .expect("lock the claims and mend the ledger");
+    wait_for(
+        "the trying transaction to give its message back",
+        Duration::from_secs(30),
+        || async { unacked(&env.queue) == 0 },
+    )
+    .await;
+    mend.commit().await.expect("commit the mend");
+    wait_for("every order applied", Duration::from_secs(75), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 1 + MORE
+    })
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(env.ready(&env.dead_letter_queue).await, 0, "dead letters");
+    assert_eq!(
+        env.count("SELECT count(DISTINCT order_id) FROM point_ledger")
+            .await,
+        1 + MORE,
+        "an order applied twice"
+    );
+    env.cleanup().await;
+}
+
 /// A message whose own statement always outlasts `statement_timeout` (order 7's ledger row
 /// sleeps 1 s, the timeout is 200 ms), in batches of 16: the batch goes one message at a
 /// time, every other order applies, and after `transaction.timeouts` timed-out tries order 7

@@ -73,7 +73,11 @@ async fn apply_one(
                 }
             }
             finished => {
-                retries.succeeded();
+                retries.succeeded(|statement| {
+                    finished
+                        .as_ref()
+                        .is_ok_and(|outcome| plan.ran(statement, *outcome))
+                });
                 let disposition = disposition_of(finished);
                 after_commit(pipeline, &disposition, plan);
                 return disposition;
@@ -194,7 +198,12 @@ async fn apply_together(
         }
         match result {
             Ok(items) => {
-                retries.succeeded();
+                retries.succeeded(|statement| {
+                    plans.iter().zip(&items).any(|(plan, item)| {
+                        item.as_ref()
+                            .is_ok_and(|outcome| plan.ran(statement, *outcome))
+                    })
+                });
                 return Ok(Some(items));
             }
             // One slow message must not hold the others: timed out, the batch goes one
@@ -209,7 +218,7 @@ async fn apply_together(
                 }
             }
             Err(_) => {
-                retries.succeeded();
+                retries.succeeded(|_| false);
                 return Ok(None);
             }
         }

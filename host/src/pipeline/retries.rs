@@ -23,6 +23,10 @@ pub(super) const PAUSE_RETRY: Duration = Duration::from_secs(3);
 /// many times in a row is a real `feature not supported`, a configuration fault.
 pub(super) const STALE_PLAN_TRIES: u32 = 3;
 
+/// The statement a pause names when every statement fails alike (a plan the server keeps
+/// refusing), so that any committed transaction ends it.
+pub(super) const ANY_STATEMENT: &str = "(any)";
+
 /// Paces the retries of one message's (or batch's) transaction: transient errors are
 /// retried without limit (the message stays unacked), conflicts (40001, 40P01) up to the
 /// pipeline's budget, and a configuration fault pauses the pipeline until a try succeeds.
@@ -69,12 +73,21 @@ impl<'a> Retries<'a> {
         }
     }
 
-    /// The transaction finished (whatever its outcome): a pause it caused ends.
-    pub(super) fn succeeded(&mut self) {
+    /// The transaction finished (whatever its outcome): a pause it caused ends, and so does
+    /// one it proves over, having committed the statement the pipeline paused on (`ran`
+    /// says which it ran; any statement proves a pause on [`ANY_STATEMENT`]). The transaction
+    /// that met the fault may have given up (the host stopping, its conflicts or timeouts
+    /// spent): the message the consumer then takes alone to find out must end the pause.
+    pub(super) fn succeeded(&mut self, ran: impl Fn(&str) -> bool) {
+        let pipeline = self.pipeline;
         if self.paused {
-            self.pipeline.resume();
-            self.pipeline.release_probe();
+            pipeline.resume();
+            pipeline.release_probe();
             self.paused = false;
+        } else if let Some(paused) = pipeline.paused()
+            && (paused.statement == ANY_STATEMENT || ran(&paused.statement))
+        {
+            pipeline.resume();
         }
     }
 
@@ -97,7 +110,9 @@ impl<'a> Retries<'a> {
                 if fault::is_stale_plan(source) {
                     self.stale_plans += 1;
                     if self.stale_plans >= STALE_PLAN_TRIES {
-                        return self.pause("(any)", &label, &fault::describe(source)).await;
+                        return self
+                            .pause(ANY_STATEMENT, &label, &fault::describe(source))
+                            .await;
                     }
                 } else {
                     self.stale_plans = 0;

@@ -5,6 +5,7 @@ use tokio_postgres::types::Type;
 
 use crate::config::{ClaimMode, PipelineConfig};
 use crate::effect::{Decision, Effect};
+use crate::store::ledger::ClaimOutcome;
 use crate::store::outbox::{OutboxError, OutboxRow};
 use crate::store::statement::{BoundEffect, EffectError, StatementCatalog};
 
@@ -151,5 +152,92 @@ impl Plan<'_> {
             Some(trace) => (Some(trace.traceparent), trace.tracestate),
             None => (None, None),
         };
+    }
+
+    /// Whether this plan's transaction, having ended with `outcome` and committed, ran
+    /// `statement` to its end: an effect's name, or the host's own `claim` or `outbox`. That
+    /// the statement a configuration fault paused the pipeline on works again is proven by
+    /// any transaction that ran it, not only by the one that met the fault.
+    pub fn ran(&self, statement: &str, outcome: ClaimOutcome) -> bool {
+        let host_claim = matches!(self.claim, ClaimStrategy::Ledger { .. });
+        let named = |effect: &BoundEffect| effect.statement == statement;
+        match (outcome, statement) {
+            (_, "claim") => host_claim,
+            (ClaimOutcome::Applied, "outbox") => !self.outbox.is_empty(),
+            (ClaimOutcome::Applied | ClaimOutcome::Stale, _) => self.effects.iter().any(named),
+            // A duplicate ran its claim only: the host's, or a natural claim's statement.
+            (ClaimOutcome::Duplicate, _) => !host_claim && self.effects.first().is_some_and(named),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::effect::Value;
+
+    fn config(claim: &str) -> Config {
+        let text = format!(
+            r#"
+[database]
+url = "postgres://127.0.0.1/ran"
+
+[amqp]
+url = "amqp://127.0.0.1"
+
+[pipelines.ran]
+queue = "ran"
+plugin = "ran.wasm"
+{claim}
+
+[pipelines.ran.statements]
+first = "INSERT INTO a (k) VALUES ($1)"
+second = "INSERT INTO b (k) VALUES ($1)"
+"#
+        );
+        Config::from_toml(Path::new("/tmp/ran.toml"), &text).expect("config")
+    }
+
+    fn decision() -> Decision {
+        let call = |statement: &str| Effect::Exec {
+            statement: statement.to_string(),
+            params: vec![Value::Text("k".to_string())],
+        };
+        Decision {
+            key: "k".to_string(),
+            effects: vec![call("second"), call("first")],
+        }
+    }
+
+    /// What a committed transaction proves: every statement it ran, and for a duplicate only
+    /// its claim, so that a duplicate does not end a pause on an effect it never ran.
+    #[test]
+    fn a_committed_plan_ran_its_claim_and_what_its_outcome_says() {
+        let decision = decision();
+        let ledger = config("");
+        let catalog = StatementCatalog::from_config(&ledger.pipelines[0]);
+        let plan =
+            Plan::build(&ledger.pipelines[0], &catalog, &decision, "d", false).expect("plan");
+        assert!(plan.ran("first", ClaimOutcome::Applied));
+        assert!(plan.ran("claim", ClaimOutcome::Applied));
+        assert!(!plan.ran("outbox", ClaimOutcome::Applied), "no outbox row");
+        assert!(plan.ran("claim", ClaimOutcome::Duplicate));
+        assert!(!plan.ran("first", ClaimOutcome::Duplicate));
+        assert!(!plan.ran("third", ClaimOutcome::Applied));
+
+        let natural = config("claim = \"natural\"\nclaim_statement = \"first\"");
+        let catalog = StatementCatalog::from_config(&natural.pipelines[0]);
+        let plan =
+            Plan::build(&natural.pipelines[0], &catalog, &decision, "d", false).expect("plan");
+        assert!(!plan.ran("claim", ClaimOutcome::Applied), "no host claim");
+        assert!(
+            plan.ran("first", ClaimOutcome::Duplicate),
+            "the natural claim ran"
+        );
+        assert!(!plan.ran("second", ClaimOutcome::Duplicate));
+        assert!(plan.ran("second", ClaimOutcome::Applied));
     }
 }
