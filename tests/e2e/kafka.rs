@@ -498,6 +498,86 @@ async fn a_new_group_starts_within_the_claim_window() {
     env.cleanup().await;
 }
 
+/// The group's offsets gone (expired, reset, or the group renamed: here a new group that
+/// starts at the earliest) and the claims gone with the window: the consumer resumes at the
+/// floor it recorded in the database (`idem_offsets`) as it committed, so nothing it settled
+/// is read again (the ledger's own unique key would refuse a second credit, and each repeat
+/// would be dead-lettered for it); what was produced since is credited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_whose_offsets_are_gone_resumes_at_the_database_floor() {
+    let (env, broker, topic) = with_topic("kafka_floor", 2).await;
+    let config = |group: &str| {
+        let source = format!("group = \"{group}\"\nstart = \"earliest\"");
+        parse(&config_text(&env, &broker, &topic, &source))
+    };
+    // One record a produce, so tansu's high watermark (its last batch's base offset + 1,
+    // which the floor is checked against) is the partition's true end.
+    for order_id in 0..60 {
+        let key = format!("customer-{}", order_id % 7);
+        broker
+            .produce(
+                &topic,
+                Some(&key),
+                &order(order_id, order_id % 7, 1_000),
+                &[],
+            )
+            .await;
+    }
+    let host = env.start_host(config("first"));
+    wait_for(
+        "the first orders credited",
+        Duration::from_secs(90),
+        || async { env.count("SELECT count(*) FROM point_ledger").await == 60 },
+    )
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(
+        env.count(
+            "SELECT coalesce(sum(next_offset), 0)::int8 FROM idem_offsets \
+             WHERE consumer = 'loyalty'"
+        )
+        .await,
+        60,
+        "each partition's floor recorded at its end"
+    );
+    sqlx::raw_sql("DELETE FROM processed_messages")
+        .execute(&env.pool)
+        .await
+        .expect("forget the claims");
+    let host = env.start_host(config("renamed"));
+    for order_id in 60..80 {
+        let key = format!("customer-{}", order_id % 7);
+        broker
+            .produce(
+                &topic,
+                Some(&key),
+                &order(order_id, order_id % 7, 1_000),
+                &[],
+            )
+            .await;
+    }
+    wait_for(
+        "the new orders credited",
+        Duration::from_secs(90),
+        || async {
+            env.count("SELECT count(*) FROM point_ledger WHERE order_id >= 60")
+                .await
+                == 20
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(env.count("SELECT count(*) FROM point_ledger").await, 80);
+    let read_again = broker.read_all(&format!("{topic}.dead-letter"));
+    assert!(
+        read_again.is_empty(),
+        "{} orders settled before were read again",
+        read_again.len()
+    );
+    env.cleanup().await;
+}
+
 /// No broker when the host starts: it keeps trying (saying so) instead of stopping, and
 /// consumes once a broker listens there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,8 +16,10 @@ use crate::relay::RelayWaker;
 use crate::sandbox::{LoadedPlugin, PluginError, PluginRuntime};
 use crate::store::bookkeeping;
 use crate::store::database::Database;
+use crate::store::offsets::Offsets;
 use crate::store::session::SessionPool;
 use crate::store::statement::{StatementCatalog, StatementErrors};
+use crate::store::tables::Tables;
 use crate::telemetry::metrics::Metrics;
 
 pub mod batch_size;
@@ -42,6 +44,8 @@ pub struct Pipeline {
     statements: StatementCatalog,
     /// The sessions its transactions run on (shared by every pipeline).
     sessions: SessionPool,
+    /// Where its consumer resumes in a log read by offset (Kafka), beside its claims.
+    offsets: Offsets,
     metrics: Arc<Metrics>,
     /// Its reloads: one at a time, the last one's outcome kept for the admin status.
     reloads: Reloads,
@@ -164,12 +168,18 @@ impl Pipeline {
         // Both pause gauges are there from the start, at 0, for the alert rules.
         metrics.pipeline_paused(&config.name, false);
         metrics.pipeline_operator_paused(&config.name, false);
+        let offsets = Offsets::new(
+            database.pool.clone(),
+            Tables::clone(&database.tables),
+            &config.consumer,
+        );
         Ok(Pipeline {
             config,
             runtime,
             plugin: ArcSwap::from_pointee(plugin),
             statements,
             sessions: database.sessions.clone(),
+            offsets,
             metrics,
             reloads: Reloads::default(),
             consuming: AtomicBool::new(false),

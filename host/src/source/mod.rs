@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{AmqpConfig, Config, Destination, PipelineConfig, SourceConfig};
 use crate::message::InboundMessage;
+use crate::store::offsets::Offsets;
 
 use self::jetstream::JetStreamError;
 use self::kafka::KafkaError;
@@ -222,10 +223,14 @@ pub trait Source: Send + Sized + 'static {
     const BROKER: &'static str;
 
     /// Connects, makes sure what the pipeline consumes is there as configured, and starts
-    /// consuming. `shutdown` ends any wait a settlement would make (a retry's delay).
+    /// consuming. `offsets`: where the pipeline's consumer resumes, kept in the database, for
+    /// a log read by offset (Kafka); the brokers that keep their consumers' positions
+    /// themselves ignore it. `shutdown` ends any wait a settlement would make (a retry's
+    /// delay).
     fn open(
         config: &Self::Config,
         pipeline: &PipelineConfig,
+        offsets: &Offsets,
         shutdown: &CancellationToken,
     ) -> impl Future<Output = Result<Self, SourceError>> + Send;
 

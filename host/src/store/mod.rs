@@ -10,7 +10,8 @@
 //! - [`retention`], [`partition`]: old claims deleted in batches, or daily partitions dropped
 //!   whole.
 //! - [`pauses`]: operator pauses recorded for every host of a consumer; [`archive`]: dead
-//!   letters an operator archived.
+//!   letters an operator archived; [`offsets`]: where each consumer resumes in a log read by
+//!   offset (Kafka).
 //! - [`database`]: connecting (URL, TLS, libpq's environment), the bookkeeping pool,
 //!   migrations, the schema check.
 //! - [`primary`]: which host of a multi-host URL takes writes, for the bookkeeping pool.
@@ -25,6 +26,7 @@ pub mod bookkeeping;
 pub mod database;
 pub mod fault;
 pub mod ledger;
+pub mod offsets;
 pub mod outbox;
 pub mod partition;
 pub mod pauses;

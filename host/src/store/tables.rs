@@ -19,6 +19,8 @@ const OUTBOX: &str = "idem_outbox";
 const CONSUMERS: &str = "idem_consumers";
 /// Dead letters archived by an operator.
 const ARCHIVE: &str = "idem_dead_letters";
+/// Where each consumer resumes in a log read by offset (`store::offsets`).
+const OFFSETS: &str = "idem_offsets";
 /// idem's migration history: its own, so an application's migrator (sqlx's
 /// `_sqlx_migrations`, Flyway's, Rails' …) never sees idem's versions, nor idem the
 /// application's.
@@ -115,6 +117,7 @@ pub struct Tables {
     outbox: String,
     consumers: String,
     archive: String,
+    offsets: String,
     history: String,
     pub(crate) claim: String,
     pub(crate) aborting_claim: String,
@@ -137,6 +140,7 @@ impl Tables {
             outbox: qualified(OUTBOX),
             consumers: qualified(CONSUMERS),
             archive: qualified(ARCHIVE),
+            offsets: qualified(OFFSETS),
             history: qualified(HISTORY),
             claim: String::new(),
             aborting_claim: String::new(),
@@ -152,9 +156,9 @@ impl Tables {
         tables
     }
 
-    /// `template` with `{claims}`, `{outbox}`, `{consumers}`, `{archive}` and `{history}` replaced by
-    /// those tables' qualified names, and `{schema}` by the schema's name as a string
-    /// literal (the search path's first schema, `current_schema()`, without one).
+    /// `template` with `{claims}`, `{outbox}`, `{consumers}`, `{archive}`, `{offsets}` and
+    /// `{history}` replaced by those tables' qualified names, and `{schema}` by the schema's
+    /// name as a string literal (the search path's first schema, `current_schema()`, without one).
     pub fn sql(&self, template: &str) -> String {
         let schema = match &self.schema {
             Some(schema) => format!("'{schema}'"),
@@ -165,6 +169,7 @@ impl Tables {
             .replace("{outbox}", &self.outbox)
             .replace("{consumers}", &self.consumers)
             .replace("{archive}", &self.archive)
+            .replace("{offsets}", &self.offsets)
             .replace("{history}", &self.history)
             .replace("{schema}", &schema)
     }
@@ -187,6 +192,11 @@ impl Tables {
     /// The archived dead letters, qualified.
     pub fn archive(&self) -> &str {
         &self.archive
+    }
+
+    /// Where the consumers resume in the logs they read by offset, qualified.
+    pub fn offsets(&self) -> &str {
+        &self.offsets
     }
 
     /// idem's migration history, qualified.

@@ -33,6 +33,7 @@ use tracing::warn;
 
 use crate::config::{JetStreamConfig, PipelineConfig, SourceConfig};
 use crate::source::{Delivery, Source, SourceError};
+use crate::store::offsets::Offsets;
 
 use topology::{
     as_served, claim_window, ensure_consumer, ensure_dead_letter_stream, ensure_stream,
@@ -217,6 +218,7 @@ impl Source for Session {
     async fn open(
         source: &JetStreamConfig,
         pipeline: &PipelineConfig,
+        _offsets: &Offsets,
         shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
         Ok(Session::open(source, pipeline, pipeline.effective_prefetch(), shutdown).await?)

@@ -10,7 +10,8 @@
 //!
 //! Here: the error and the `Session` a pipeline consumes through. `connect` sets the
 //! clients up, `topology` makes sure of the topics, `poll` owns the consumer (rebalances,
-//! pauses, commits), `lanes` orders what it hands out, `received` settles a delivery,
+//! pauses, commits), `resume` says where an assigned partition starts (and records the committed floors in the
+//! database), `lanes` orders what it hands out, `received` settles a delivery,
 //! `depths` reads what waits, `check` and `dead_letters` serve `idem check` and `idem dlq`.
 
 pub mod check;
@@ -21,6 +22,7 @@ pub mod lanes;
 pub mod offsets;
 mod poll;
 mod received;
+mod resume;
 mod topology;
 
 pub use depths::{Found, depths};
@@ -36,8 +38,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{ClaimMode, KafkaConfig, KafkaStart, PipelineConfig, SourceConfig};
 use crate::source::{Source, SourceError};
+use crate::store::offsets::Offsets;
 
 use poll::{Context, Shared, State};
+use resume::Resume;
 
 /// The source kind a plugin sees in `message.source`.
 pub const KIND: &str = SourceConfig::KAFKA;
@@ -95,6 +99,8 @@ pub struct Session {
     shared: Arc<Shared>,
     producer: FutureProducer,
     poller: Option<std::thread::JoinHandle<()>>,
+    /// Ends the task recording committed floors in the database.
+    closed: CancellationToken,
 }
 
 impl Session {
@@ -102,6 +108,7 @@ impl Session {
     pub async fn open(
         source: &KafkaConfig,
         pipeline: &PipelineConfig,
+        offsets: &Offsets,
         shutdown: &CancellationToken,
     ) -> Result<Session, KafkaError> {
         let client = format!("idem {} (pid {})", pipeline.name, std::process::id());
@@ -113,13 +120,21 @@ impl Session {
             (KafkaStart::Window, ClaimMode::Ledger) => Some(pipeline.retention.window),
             _ => None,
         };
+        let resume = Resume::read(
+            &pipeline.name,
+            source.start,
+            window,
+            offsets.clone(),
+            &source.topics,
+        )
+        .await;
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             ready: tokio::sync::Notify::new(),
             settled: Condvar::new(),
             pipeline: pipeline.name.clone(),
             source: source.clone(),
-            window,
+            resume,
             shutdown: shutdown.clone(),
         });
         let consumer: BaseConsumer<Context> = connect::consumer(source, &client)
@@ -136,19 +151,27 @@ impl Session {
             .name(format!("kafka {}", pipeline.name))
             .spawn(move || poll::run(consumer, polled))
             .map_err(|error| KafkaError::Client(error.to_string()))?;
+        let recorded = Arc::clone(&shared);
+        let closed = CancellationToken::new();
+        let recording = closed.clone();
+        tokio::spawn(async move { recorded.resume.record(&recording).await });
         Ok(Session {
             shared,
             producer,
             poller: Some(poller),
+            closed,
         })
     }
 
-    /// Tells the poll thread to commit and leave, and waits for it.
+    /// Tells the poll thread to commit and leave, waits for it, then records the last
+    /// floors it committed.
     async fn finish(&mut self) {
         self.shared.lock().closing = true;
         if let Some(poller) = self.poller.take() {
             let _ = tokio::task::spawn_blocking(move || poller.join()).await;
         }
+        self.closed.cancel();
+        self.shared.resume.record_last().await;
     }
 }
 
@@ -156,6 +179,7 @@ impl Drop for Session {
     fn drop(&mut self) {
         // Closed without `close` (a task aborted): the thread still commits and leaves.
         self.shared.lock().closing = true;
+        self.closed.cancel();
     }
 }
 
@@ -167,9 +191,10 @@ impl Source for Session {
     async fn open(
         source: &KafkaConfig,
         pipeline: &PipelineConfig,
+        offsets: &Offsets,
         shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
-        Ok(Session::open(source, pipeline, shutdown).await?)
+        Ok(Session::open(source, pipeline, offsets, shutdown).await?)
     }
 
     async fn next(&mut self) -> Result<Received, SourceError> {

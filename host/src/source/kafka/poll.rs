@@ -20,10 +20,11 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::config::{KafkaConfig, KafkaStart};
+use crate::config::KafkaConfig;
 
 use super::lanes::{Lane, Lanes};
 use super::offsets::{Floors, Partition};
+use super::resume::Resume;
 use super::{KIND, KafkaError};
 use crate::message::InboundMessage;
 
@@ -76,8 +77,8 @@ pub struct Shared {
     pub settled: Condvar,
     pub pipeline: String,
     pub source: KafkaConfig,
-    /// How far back a group without a committed offset starts (`start = "window"`).
-    pub window: Option<Duration>,
+    /// Where assigned partitions start, and the floors recorded in the database.
+    pub resume: Resume,
     pub shutdown: CancellationToken,
 }
 
@@ -205,7 +206,7 @@ impl Context {
         partitions: &mut TopicPartitionList,
         cooperative: bool,
     ) -> rdkafka::error::KafkaResult<()> {
-        let starts = self.starts(consumer, partitions);
+        let starts = self.shared.resume.starts(consumer, partitions);
         let mut state = self.shared.lock();
         for element in partitions.elements() {
             let partition = Partition::new(element.topic(), element.partition());
@@ -231,82 +232,6 @@ impl Context {
             consumer.incremental_assign(partitions)
         } else {
             consumer.assign(partitions)
-        }
-    }
-
-    /// Where each partition of `partitions` starts: the group's committed offset, else the
-    /// offset of `now − claim window` (`start = "window"`), the earliest or the end.
-    fn starts(
-        &self,
-        consumer: &BaseConsumer<Self>,
-        partitions: &TopicPartitionList,
-    ) -> BTreeMap<Partition, Offset> {
-        let timeout = Duration::from_secs(10);
-        let committed = consumer
-            .committed_offsets(partitions.clone(), timeout)
-            .unwrap_or_else(|error| {
-                warn!(pipeline = %self.shared.pipeline, %error, "Cannot read the group's committed offsets; starting where `start` says.");
-                partitions.clone()
-            });
-        let mut starts = BTreeMap::new();
-        let mut fresh = TopicPartitionList::new();
-        for element in committed.elements() {
-            let partition = Partition::new(element.topic(), element.partition());
-            match element.offset() {
-                Offset::Offset(offset) if offset >= 0 => {
-                    starts.insert(partition, Offset::Offset(offset));
-                }
-                _ => {
-                    fresh.add_partition(element.topic(), element.partition());
-                    starts.insert(partition, self.fallback());
-                }
-            }
-        }
-        if let (Some(window), KafkaStart::Window) = (self.shared.window, self.shared.source.start)
-            && fresh.count() > 0
-        {
-            let since = std::time::SystemTime::now()
-                .checked_sub(window)
-                .and_then(|since| since.duration_since(std::time::UNIX_EPOCH).ok())
-                .map_or(0, |since| {
-                    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
-                });
-            let mut asked = TopicPartitionList::new();
-            for element in fresh.elements() {
-                let _ = asked.add_partition_offset(
-                    element.topic(),
-                    element.partition(),
-                    Offset::Offset(since),
-                );
-            }
-            match consumer.offsets_for_times(asked, timeout) {
-                Ok(found) => {
-                    for element in found.elements() {
-                        let partition = Partition::new(element.topic(), element.partition());
-                        if !fresh_has(&fresh, &partition) {
-                            continue;
-                        }
-                        // Nothing as recent: the end (only what is produced from now on).
-                        let start = match element.offset() {
-                            Offset::Offset(offset) if offset >= 0 => Offset::Offset(offset),
-                            _ => Offset::End,
-                        };
-                        starts.insert(partition, start);
-                    }
-                }
-                Err(error) => {
-                    warn!(pipeline = %self.shared.pipeline, %error, "Cannot find the claim window's first offsets; a new group starts at the earliest.");
-                }
-            }
-        }
-        starts
-    }
-
-    /// Where a partition without a committed offset starts when no time lookup decides.
-    fn fallback(&self) -> Offset {
-        match self.shared.source.start {
-            KafkaStart::Latest => Offset::End,
-            KafkaStart::Window | KafkaStart::Earliest => Offset::Beginning,
         }
     }
 
@@ -349,6 +274,7 @@ impl Context {
             }
         }
         let mut floors = TopicPartitionList::new();
+        let mut released = Vec::new();
         for partition in &revoked {
             if let Some(floor) = state.floors.release(partition)
                 && floor >= 0
@@ -358,6 +284,7 @@ impl Context {
                     partition.partition,
                     Offset::Offset(floor),
                 )?;
+                released.push((partition.clone(), floor));
             }
             state.out.remove(partition);
             state.paused.remove(partition);
@@ -366,6 +293,7 @@ impl Context {
         if lost {
             warn!(pipeline = %self.shared.pipeline, partitions = %describe(partitions), "Kafka assignment lost: nothing committed; late settlements are refused.");
         } else {
+            self.shared.resume.committed(&released);
             if floors.count() > 0
                 && let Err(error) = consumer.commit(&floors, CommitMode::Sync)
             {
@@ -389,12 +317,6 @@ impl Context {
             state.out.remove(&partition);
         }
     }
-}
-
-fn fresh_has(fresh: &TopicPartitionList, partition: &Partition) -> bool {
-    fresh
-        .find_partition(&partition.topic, partition.partition)
-        .is_some()
 }
 
 /// `orders[0],orders[1]` for the logs.
@@ -561,6 +483,7 @@ fn commit(consumer: &BaseConsumer<Context>, shared: &Shared, mode: CommitMode) {
     if floors.is_empty() {
         return;
     }
+    shared.resume.committed(&floors);
     let mut list = TopicPartitionList::new();
     for (partition, offset) in &floors {
         if list

@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{AmqpConfig, PipelineConfig, RabbitMqConfig, SourceConfig};
 use crate::source::{Source, SourceError};
+use crate::store::offsets::Offsets;
 
 use publish::CopyChannel;
 use topology::Role;
@@ -268,6 +269,7 @@ impl Source for Session {
     async fn open(
         queues: &RabbitMqConfig,
         pipeline: &PipelineConfig,
+        _offsets: &Offsets,
         shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
         Ok(Session::open(queues, pipeline, shutdown).await?)

@@ -384,6 +384,7 @@ async fn move_tables(
         there.outbox(),
         there.consumers(),
         there.archive(),
+        there.offsets(),
         there.history(),
     ]
     .map(str::to_string)
