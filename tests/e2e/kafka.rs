@@ -436,14 +436,7 @@ async fn a_missing_topic_without_declare_stops_the_host_naming_the_setting() {
     let env = TestEnv::new("kafka_missing").await;
     let broker = Tansu::start();
     let text = config_text(&env, &broker, "no-such-topic", "declare = false");
-    let host = env.start_host(parse(&text));
-    wait_for(
-        "the host to stop by itself",
-        Duration::from_secs(60),
-        || async { host.is_finished() },
-    )
-    .await;
-    let error = host.stop().await.expect_err("a refusal");
+    let error = env.start_host(parse(&text)).refusal().await;
     assert!(
         error.contains("pipelines.loyalty.source.topic") && error.contains("no-such-topic"),
         "{error}"
@@ -578,6 +571,106 @@ async fn a_group_whose_offsets_are_gone_resumes_at_the_database_floor() {
     env.cleanup().await;
 }
 
+/// `/readyz`, `/metrics` and the broker gone: once the sampler has read the topic, each
+/// partition's lag is on `/metrics` (0 when everything is settled: the records are produced
+/// one at a time, so tansu's high watermark, its last batch's base offset + 1, is the true end
+/// here; with batches it reads low) with the rebalances served. The broker killed, the
+/// group's session expires, nothing stays assigned, and `/readyz` says the brokers are
+/// unreachable; a broker back on the port makes it ready again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_gone_is_on_readyz_and_each_partition_lag_on_metrics() {
+    let env = TestEnv::new("kafka_ready").await;
+    let mut broker = Tansu::start();
+    let topic = env.queue.clone();
+    broker.create_topic(&topic, 2).await;
+    let port = idem_e2e::free_port();
+    let text = format!(
+        "{}\n[http]\nlisten = \"127.0.0.1:{port}\"\n",
+        config_text(&env, &broker, &topic, "")
+    );
+    let host = env.start_host(parse(&text));
+    for order_id in 0..20 {
+        broker
+            .produce(
+                &topic,
+                Some(&format!("k{order_id}")),
+                &order(order_id, 4, 1_000),
+                &[],
+            )
+            .await;
+    }
+    wait_for("every order credited", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 20
+    })
+    .await;
+    let ready = || async { idem_e2e::http_request(port, "GET", "/readyz", None).await };
+    wait_for("ready", Duration::from_secs(30), || async {
+        ready().await.0 == 200
+    })
+    .await;
+    let lag = |partition: i32| {
+        format!(
+            "idem_source_partition_waiting_messages{{pipeline=\"loyalty\",topic=\"{topic}\",partition=\"{partition}\"}} 0"
+        )
+    };
+    wait_for(
+        "each partition's lag at 0",
+        Duration::from_secs(40),
+        || async {
+            let (_, metrics) = idem_e2e::http_request(port, "GET", "/metrics", None).await;
+            metrics.contains(&lag(0)) && metrics.contains(&lag(1))
+        },
+    )
+    .await;
+    let (_, metrics) = idem_e2e::http_request(port, "GET", "/metrics", None).await;
+    let rebalances: u64 = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("idem_source_rebalances_total{pipeline=\"loyalty\"} "))
+        .and_then(|count| count.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no rebalance count:\n{metrics}"));
+    assert!(rebalances >= 1, "{rebalances}");
+
+    let brokers = broker.brokers();
+    broker.kill();
+    wait_for(
+        "unready: the brokers unreachable",
+        Duration::from_secs(60),
+        || async {
+            let (status, body) = ready().await;
+            status == 503 && body.contains("brokers are unreachable")
+        },
+    )
+    .await;
+    let broker_port: u16 = brokers
+        .rsplit(':')
+        .next()
+        .and_then(|port| port.parse().ok())
+        .expect("the broker's port");
+    let _back = Tansu::start_on(broker_port);
+    wait_for("ready again", Duration::from_secs(60), || async {
+        ready().await.0 == 200
+    })
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    env.cleanup().await;
+}
+
+/// A broker that requires a SASL login and refuses this one (SCRAM-SHA-512, a user it does
+/// not know): the host stops with one line naming `pipelines.loyalty.source.sasl`, instead of
+/// retrying a login no retry can fix. (tansu cannot be given a user with memory storage, so
+/// a successful login is not tested here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_sasl_login_stops_the_host_naming_sasl() {
+    let env = TestEnv::new("kafka_sasl").await;
+    let broker = Tansu::start_refusing_logins();
+    let sasl =
+        "sasl = { mechanism = \"SCRAM-SHA-512\", username = \"idem\", password = \"wrong\" }";
+    let text = config_text(&env, &broker, &env.queue.clone(), sasl);
+    let error = env.start_host(parse(&text)).refusal().await;
+    assert!(error.contains("pipelines.loyalty.source.sasl"), "{error}");
+    env.cleanup().await;
+}
+
 /// No broker when the host starts: it keeps trying (saying so) instead of stopping, and
 /// consumes once a broker listens there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -662,14 +755,7 @@ async fn mutual_tls_is_spoken_and_a_wrong_authority_stops_the_host_naming_tls() 
     host.stop().await.expect("host stops cleanly");
 
     let other = idem_e2e::tls::self_signed_ca(&directory, "other", "another CA");
-    let refused = env.start_host(parse(&text(&tls(&other))));
-    wait_for(
-        "the host to stop by itself",
-        Duration::from_secs(60),
-        || async { refused.is_finished() },
-    )
-    .await;
-    let error = refused.stop().await.expect_err("a refusal");
+    let error = env.start_host(parse(&text(&tls(&other)))).refusal().await;
     assert!(error.contains("pipelines.loyalty.source.tls"), "{error}");
     let _ = std::fs::remove_dir_all(&directory);
     env.cleanup().await;

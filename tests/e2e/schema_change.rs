@@ -247,6 +247,29 @@ async fn an_incompatible_change_pauses_naming_both_types() {
     env.cleanup().await;
 }
 
+/// Waits (at most `within`) for `orders` ledger rows, stops the host, and checks that none was
+/// dead-lettered and none applied twice.
+async fn every_order_applied_once(
+    env: TestEnv,
+    host: idem_e2e::Host,
+    orders: i64,
+    within: Duration,
+) {
+    wait_for("every order applied", within, || async {
+        env.count("SELECT count(*) FROM point_ledger").await == orders
+    })
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    assert_eq!(env.ready(&env.dead_letter_queue).await, 0, "dead letters");
+    assert_eq!(
+        env.count("SELECT count(DISTINCT order_id) FROM point_ledger")
+            .await,
+        orders,
+        "an order applied twice"
+    );
+    env.cleanup().await;
+}
+
 /// A pipeline paused by a configuration fault (its ledger table renamed away under load)
 /// holds no more than the one message that keeps trying: what it had prefetched, and what
 /// its other workers held, go back to the queue within seconds, for healthy hosts. Renamed
@@ -280,19 +303,7 @@ async fn a_fault_pause_gives_back(name: &str, extra: &str) {
         .execute(&env.pool)
         .await
         .expect("rename the ledger back");
-    wait_for("every order applied", Duration::from_secs(90), || async {
-        env.count("SELECT count(*) FROM point_ledger").await == 10 + MORE
-    })
-    .await;
-    host.stop().await.expect("host stops cleanly");
-    assert_eq!(env.ready(&env.dead_letter_queue).await, 0, "dead letters");
-    assert_eq!(
-        env.count("SELECT count(DISTINCT order_id) FROM point_ledger")
-            .await,
-        10 + MORE,
-        "an order applied twice"
-    );
-    env.cleanup().await;
+    every_order_applied_once(env, host, 10 + MORE, Duration::from_secs(90)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -360,19 +371,7 @@ async fn a_pause_whose_trying_transaction_gave_up_ends_with_the_next_commit() {
     )
     .await;
     mend.commit().await.expect("commit the mend");
-    wait_for("every order applied", Duration::from_secs(75), || async {
-        env.count("SELECT count(*) FROM point_ledger").await == 1 + MORE
-    })
-    .await;
-    host.stop().await.expect("host stops cleanly");
-    assert_eq!(env.ready(&env.dead_letter_queue).await, 0, "dead letters");
-    assert_eq!(
-        env.count("SELECT count(DISTINCT order_id) FROM point_ledger")
-            .await,
-        1 + MORE,
-        "an order applied twice"
-    );
-    env.cleanup().await;
+    every_order_applied_once(env, host, 1 + MORE, Duration::from_secs(75)).await;
 }
 
 /// A message whose own statement always outlasts `statement_timeout` (order 7's ledger row

@@ -406,6 +406,20 @@ impl Host {
     pub fn is_finished(&self) -> bool {
         self.task.is_finished()
     }
+
+    /// Waits (at most a minute) for the host to stop by itself, as a refusal no retry can fix
+    /// stops it, and returns the line it stopped with.
+    pub async fn refusal(self) -> String {
+        crate::wait_for(
+            "the host to stop by itself",
+            Duration::from_secs(60),
+            || async { self.task.is_finished() },
+        )
+        .await;
+        self.stop()
+            .await
+            .expect_err("the host stopped with an error")
+    }
 }
 
 /// The `[pipelines.<name>]` table of a loyalty-shaped pipeline (the demo's two statements).

@@ -62,7 +62,15 @@ impl Tansu {
 
     /// Starts a broker on `port`; waits until it listens.
     pub fn start_on(port: u16) -> Tansu {
-        Tansu::launch(port, port, Vec::new())
+        Tansu::launch(port, port, Vec::new(), &[])
+    }
+
+    /// A broker that requires every client to log in (SASL) and knows no user (tansu keeps
+    /// users in its storage, and memory storage can only be given users by a logged-in
+    /// client): every login is refused.
+    pub fn start_refusing_logins() -> Tansu {
+        let port = crate::free_port();
+        Tansu::launch(port, port, Vec::new(), &["--authentication"])
     }
 
     /// A broker reached only over mutual TLS: tansu behind a TLS-terminating proxy that
@@ -82,11 +90,16 @@ impl Tansu {
             ),
             ("ssl.key.location".to_string(), path(&pki.client_key)),
         ];
-        (Tansu::launch(port, proxy.port, tls), proxy)
+        (Tansu::launch(port, proxy.port, tls, &[]), proxy)
     }
 
     /// tansu listening on `port`, telling clients to connect to `advertised`.
-    fn launch(port: u16, advertised: u16, settings: Vec<(String, String)>) -> Tansu {
+    fn launch(
+        port: u16,
+        advertised: u16,
+        settings: Vec<(String, String)>,
+        arguments: &[&str],
+    ) -> Tansu {
         let binary = tansu_binary();
         assert!(
             binary.exists(),
@@ -100,6 +113,7 @@ impl Tansu {
             .arg("--advertised-listener-url")
             .arg(format!("tcp://127.0.0.1:{advertised}"))
             .args(["--storage-engine", "memory://tansu/"])
+            .args(arguments)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

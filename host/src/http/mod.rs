@@ -354,6 +354,8 @@ async fn ready(State(state): State<AppState>) -> impl IntoResponse {
                 pipeline.name(),
                 pipeline.config().queue()
             ));
+        } else if let Some(problem) = pipeline.source_problem() {
+            problems.push(format!("pipeline {:?}: {problem}", pipeline.name()));
         }
     }
     if problems.is_empty() {
@@ -379,6 +381,7 @@ async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
                 "queue": pipeline.config().queue(),
                 "dead_letter_queue": pipeline.config().dead_letter(),
                 "consuming": pipeline.is_consuming(),
+                "source_problem": pipeline.source_problem(),
                 "workers": pipeline.config().workers.get(),
                 "prefetch": pipeline.config().prefetch.get(),
                 "paused": pipeline.paused().map(|paused| json!({

@@ -115,6 +115,7 @@ async fn sample_source(
     probe: &mut DepthProbe,
     metrics: &Metrics,
 ) -> Result<serde_json::Value, String> {
+    metrics.source_rebalances(pipeline.name(), pipeline.source_rebalances());
     let read = tokio::time::timeout(READ_TIMEOUT, probe.depths(pipeline.config())).await;
     let depths: Depths = match read {
         Ok(Ok(depths)) => depths,
@@ -134,6 +135,7 @@ async fn sample_source(
             oldest_age: depths.oldest_age,
         },
     );
+    metrics.source_partitions_sampled(pipeline.name(), &depths.partitions);
     Ok(json!({
         "waiting": depths.waiting,
         "unacknowledged": depths.unacknowledged,

@@ -61,7 +61,7 @@ pub async fn consume<S: Source>(
             continue;
         }
         let opened = tokio::select! {
-            opened = S::open(&config, &pipeline.config, &pipeline.offsets, &shutdown) => opened,
+            opened = S::open(&config, &pipeline.config, &pipeline.lent, &shutdown) => opened,
             () = shutdown.cancelled() => return Ok(()),
         };
         let lost = match opened {

@@ -14,6 +14,7 @@ use crate::config::{ClaimMode, Isolation, PipelineConfig};
 use crate::effect::Outcome;
 use crate::relay::RelayWaker;
 use crate::sandbox::{LoadedPlugin, PluginError, PluginRuntime};
+use crate::source::standing::Lent;
 use crate::store::bookkeeping;
 use crate::store::database::Database;
 use crate::store::offsets::Offsets;
@@ -44,8 +45,9 @@ pub struct Pipeline {
     statements: StatementCatalog,
     /// The sessions its transactions run on (shared by every pipeline).
     sessions: SessionPool,
-    /// Where its consumer resumes in a log read by offset (Kafka), beside its claims.
-    offsets: Offsets,
+    /// What its source is lent at every opening: where its consumer resumes in a log read by
+    /// offset (Kafka, beside its claims), and where it says how it stands.
+    lent: Lent,
     metrics: Arc<Metrics>,
     /// Its reloads: one at a time, the last one's outcome kept for the admin status.
     reloads: Reloads,
@@ -179,7 +181,10 @@ impl Pipeline {
             plugin: ArcSwap::from_pointee(plugin),
             statements,
             sessions: database.sessions.clone(),
-            offsets,
+            lent: Lent {
+                offsets,
+                standing: Arc::default(),
+            },
             metrics,
             reloads: Reloads::default(),
             consuming: AtomicBool::new(false),
@@ -213,6 +218,17 @@ impl Pipeline {
     /// Whether a consumer is subscribed to its queue now.
     pub fn is_consuming(&self) -> bool {
         self.consuming.load(Ordering::Relaxed)
+    }
+
+    /// Why its open source receives nothing now, as the source says (Kafka: its brokers
+    /// unreachable and no partition assigned).
+    pub fn source_problem(&self) -> Option<String> {
+        self.lent.standing.problem()
+    }
+
+    /// Rebalances of its consumer group served, since the host started (Kafka).
+    pub fn source_rebalances(&self) -> u64 {
+        self.lent.standing.rebalances()
     }
 
     /// What its last reload attempt did.

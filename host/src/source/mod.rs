@@ -18,7 +18,9 @@ pub mod headers;
 pub mod jetstream;
 pub mod kafka;
 pub mod rabbitmq;
+pub mod standing;
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
@@ -26,11 +28,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{AmqpConfig, Config, Destination, PipelineConfig, SourceConfig};
 use crate::message::InboundMessage;
-use crate::store::offsets::Offsets;
 
 use self::jetstream::JetStreamError;
 use self::kafka::KafkaError;
 use self::rabbitmq::AmqpError;
+use self::standing::Lent;
 
 /// Now, in seconds since 1970 (a dead letter's `x-idem-rejected-at`).
 pub fn unix_seconds() -> u64 {
@@ -40,7 +42,7 @@ pub fn unix_seconds() -> u64 {
 }
 
 /// What a pipeline's source holds for it, as far as the broker says.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Depths {
     /// Messages waiting to be delivered (RabbitMQ: ready; JetStream: the consumer's pending).
     pub waiting: u64,
@@ -52,6 +54,8 @@ pub struct Depths {
     /// How long the oldest message not yet settled has been stored (JetStream only: RabbitMQ
     /// does not say); zero when none waits.
     pub oldest_age: Option<Duration>,
+    /// What waits per partition of the topics consumed, by topic and partition (Kafka only).
+    pub partitions: BTreeMap<(String, i32), u64>,
 }
 
 /// A pipeline's source asked for its depths again and again (the sampled gauges) over one
@@ -223,14 +227,13 @@ pub trait Source: Send + Sized + 'static {
     const BROKER: &'static str;
 
     /// Connects, makes sure what the pipeline consumes is there as configured, and starts
-    /// consuming. `offsets`: where the pipeline's consumer resumes, kept in the database, for
-    /// a log read by offset (Kafka); the brokers that keep their consumers' positions
-    /// themselves ignore it. `shutdown` ends any wait a settlement would make (a retry's
-    /// delay).
+    /// consuming. `lent`: what the pipeline keeps for it across openings (where its consumer
+    /// resumes in a log read by offset, its standing). `shutdown` ends any wait a settlement
+    /// would make (a retry's delay).
     fn open(
         config: &Self::Config,
         pipeline: &PipelineConfig,
-        offsets: &Offsets,
+        lent: &Lent,
         shutdown: &CancellationToken,
     ) -> impl Future<Output = Result<Self, SourceError>> + Send;
 

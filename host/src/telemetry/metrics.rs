@@ -3,6 +3,7 @@
 //! Names follow `idem_<name>_<unit>[_total]`; label values come from bounded sets
 //! (pipeline names from the config, fixed outcome and result words), never message data.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, SystemTime};
 
@@ -37,6 +38,8 @@ struct Sampled {
     oldest_age: Family<PipelineLabels, Seconds>,
     dead_letters: Family<PipelineLabels, Gauge>,
     source_sampled_at: Family<PipelineLabels, Seconds>,
+    partition_waiting: Family<PartitionLabels, Gauge>,
+    rebalances: Family<PipelineLabels, Counter>,
     outbox_rows: Family<OutboxLabels, Gauge>,
     outbox_oldest_age: Family<DatabaseLabels, Seconds>,
     claims: Family<PipelineLabels, Gauge>,
@@ -67,6 +70,13 @@ struct DestinationLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PipelineLabels {
     pipeline: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PartitionLabels {
+    pipeline: String,
+    topic: String,
+    partition: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -381,6 +391,18 @@ impl Sampled {
             "claims_retention_seconds",
             "The pipeline's claim retention window ([pipelines.<name>.retention] window)",
         );
+        let partition_waiting: Family<PartitionLabels, Gauge> = registered(
+            registry,
+            "source_partition_waiting_messages",
+            "Messages of one partition not committed by the pipeline's group: end offset less committed (Kafka), sampled",
+            Family::default(),
+        );
+        let rebalances: Family<PipelineLabels, Counter> = registered(
+            registry,
+            "source_rebalances",
+            "Rebalances of the pipeline's consumer group served, assignments and revokes (Kafka)",
+            Family::default(),
+        );
         let outbox_rows: Family<OutboxLabels, Gauge> = registered(
             registry,
             "outbox_rows",
@@ -399,6 +421,8 @@ impl Sampled {
             oldest_age,
             dead_letters,
             source_sampled_at,
+            partition_waiting,
+            rebalances,
             outbox_rows,
             outbox_oldest_age,
             claims,
@@ -461,6 +485,37 @@ impl Metrics {
             .source_sampled_at
             .get_or_create(&labels)
             .set(now.as_secs_f64());
+    }
+
+    /// The sampler read what waits in each partition of `pipeline`'s topics (Kafka).
+    pub fn source_partitions_sampled(
+        &self,
+        pipeline: &str,
+        waiting: &BTreeMap<(String, i32), u64>,
+    ) {
+        for ((topic, partition), waiting) in waiting {
+            let labels = PartitionLabels {
+                pipeline: pipeline.to_string(),
+                topic: topic.clone(),
+                partition: partition.to_string(),
+            };
+            self.sampled
+                .partition_waiting
+                .get_or_create(&labels)
+                .set(gauge_value(*waiting));
+        }
+    }
+
+    /// `pipeline`'s consumer group rebalanced `total` times since the host started.
+    pub fn source_rebalances(&self, pipeline: &str, total: u64) {
+        let counter = self
+            .sampled
+            .rebalances
+            .get_or_create(&pipeline_labels(pipeline));
+        let counted = counter.get();
+        if total > counted {
+            counter.inc_by(total - counted);
+        }
     }
 
     /// The sampler read the outbox of `database` (`default` for `[database]`).

@@ -133,6 +133,7 @@ pub(super) async fn read_depths(
         unacknowledged: Some(info.num_ack_pending as u64),
         dead_letters: dead_letter_count(context, source).await?,
         oldest_age: Some(oldest_age),
+        ..source::Depths::default()
     })
 }
 

@@ -32,8 +32,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::config::{JetStreamConfig, PipelineConfig, SourceConfig};
+use crate::source::standing::Lent;
 use crate::source::{Delivery, Source, SourceError};
-use crate::store::offsets::Offsets;
 
 use topology::{
     as_served, claim_window, ensure_consumer, ensure_dead_letter_stream, ensure_stream,
@@ -218,7 +218,7 @@ impl Source for Session {
     async fn open(
         source: &JetStreamConfig,
         pipeline: &PipelineConfig,
-        _offsets: &Offsets,
+        _lent: &Lent,
         shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
         Ok(Session::open(source, pipeline, pipeline.effective_prefetch(), shutdown).await?)

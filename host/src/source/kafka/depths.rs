@@ -111,5 +111,10 @@ pub async fn depths(
         unacknowledged: None,
         dead_letters: found.dead_letters,
         oldest_age: None,
+        partitions: found
+            .waiting
+            .into_iter()
+            .map(|(partition, waiting)| ((partition.topic, partition.partition), waiting))
+            .collect(),
     })
 }

@@ -37,8 +37,8 @@ use rdkafka::producer::FutureProducer;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{ClaimMode, KafkaConfig, KafkaStart, PipelineConfig, SourceConfig};
+use crate::source::standing::Lent;
 use crate::source::{Source, SourceError};
-use crate::store::offsets::Offsets;
 
 use poll::{Context, Shared, State};
 use resume::Resume;
@@ -108,7 +108,7 @@ impl Session {
     pub async fn open(
         source: &KafkaConfig,
         pipeline: &PipelineConfig,
-        offsets: &Offsets,
+        lent: &Lent,
         shutdown: &CancellationToken,
     ) -> Result<Session, KafkaError> {
         let client = format!("idem {} (pid {})", pipeline.name, std::process::id());
@@ -124,7 +124,7 @@ impl Session {
             &pipeline.name,
             source.start,
             window,
-            offsets.clone(),
+            lent.offsets.clone(),
             &source.topics,
         )
         .await;
@@ -135,6 +135,7 @@ impl Session {
             pipeline: pipeline.name.clone(),
             source: source.clone(),
             resume,
+            standing: Arc::clone(&lent.standing),
             shutdown: shutdown.clone(),
         });
         let consumer: BaseConsumer<Context> = connect::consumer(source, &client)
@@ -172,6 +173,7 @@ impl Session {
         }
         self.closed.cancel();
         self.shared.resume.record_last().await;
+        self.shared.standing.set_problem(None);
     }
 }
 
@@ -191,10 +193,10 @@ impl Source for Session {
     async fn open(
         source: &KafkaConfig,
         pipeline: &PipelineConfig,
-        offsets: &Offsets,
+        lent: &Lent,
         shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
-        Ok(Session::open(source, pipeline, offsets, shutdown).await?)
+        Ok(Session::open(source, pipeline, lent, shutdown).await?)
     }
 
     async fn next(&mut self) -> Result<Received, SourceError> {

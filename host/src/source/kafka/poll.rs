@@ -13,7 +13,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
-use rdkafka::error::KafkaError as ClientError;
+use rdkafka::error::{KafkaError as ClientError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
@@ -27,6 +27,7 @@ use super::offsets::{Floors, Partition};
 use super::resume::Resume;
 use super::{KIND, KafkaError};
 use crate::message::InboundMessage;
+use crate::source::standing::Standing;
 
 /// A message received and not settled: what the plugin sees, and where it came from.
 #[derive(Debug, Clone)]
@@ -64,8 +65,9 @@ pub struct State {
     pub failure: Option<KafkaError>,
     /// The source is closing: the poll thread commits and leaves the group.
     pub closing: bool,
-    /// Rebalances served (assignments and revokes).
-    pub rebalances: u64,
+    /// Why the brokers cannot be reached, since librdkafka said all were down and until
+    /// one answers again.
+    pub unreachable: Option<String>,
 }
 
 /// The state behind one lock, and the two ways to wait on it.
@@ -79,6 +81,8 @@ pub struct Shared {
     pub source: KafkaConfig,
     /// Where assigned partitions start, and the floors recorded in the database.
     pub resume: Resume,
+    /// How the source stands, for `/readyz` and the gauges.
+    pub standing: Arc<Standing>,
     pub shutdown: CancellationToken,
 }
 
@@ -87,6 +91,31 @@ impl Shared {
         self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A broker answered: they are not all down.
+    fn reached(&self) {
+        let mut state = self.lock();
+        if state.unreachable.take().is_some() {
+            drop(state);
+            info!(pipeline = %self.pipeline, "Kafka reachable again.");
+            self.stand();
+        }
+    }
+
+    /// Tells the pipeline how the source stands: receiving nothing when the brokers are
+    /// unreachable and no partition is assigned (with partitions assigned, what was fetched
+    /// still applies, and the group keeps them until its session expires).
+    fn stand(&self) {
+        let state = self.lock();
+        let problem = match &state.unreachable {
+            Some(reason) if state.floors.partitions().next().is_none() => Some(format!(
+                "no Kafka partition assigned: the brokers are unreachable ({reason})"
+            )),
+            _ => None,
+        };
+        drop(state);
+        self.standing.set_problem(problem);
     }
 
     /// `held` back in `lane`, first of it, as try `attempt` (its offset stays open); `false`
@@ -142,6 +171,10 @@ impl ClientContext for Context {
             return;
         }
         warn!(%pipeline, %error, reason, "Kafka unavailable; librdkafka keeps reconnecting.");
+        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown) {
+            self.shared.lock().unreachable = Some(reason.to_string());
+            self.shared.stand();
+        }
     }
 }
 
@@ -169,7 +202,8 @@ impl ConsumerContext for Context {
                 consumer.unassign()
             }
         };
-        self.shared.lock().rebalances += 1;
+        self.shared.standing.rebalanced();
+        self.shared.stand();
         if let Err(error) = outcome {
             warn!(pipeline = %self.shared.pipeline, %error, "Kafka rebalance step failed.");
         }
@@ -361,12 +395,29 @@ pub fn run(consumer: BaseConsumer<Context>, shared: Arc<Shared>) {
         if committed_at.elapsed() >= COMMIT_EVERY {
             committed_at = Instant::now();
             commit(&consumer, &shared, CommitMode::Async);
+            look_for_brokers(&consumer, &shared);
         }
     }
     commit(&consumer, &shared, CommitMode::Sync);
     consumer.unsubscribe();
     // Dropping the consumer leaves the group (the revoke above runs first).
     drop(consumer);
+}
+
+/// While the brokers are unreachable, asks them for metadata (briefly: nothing else needs
+/// the thread then) to learn when one answers again.
+fn look_for_brokers(consumer: &BaseConsumer<Context>, shared: &Shared) {
+    if shared.lock().unreachable.is_none() {
+        return;
+    }
+    if consumer
+        .fetch_metadata(None, Duration::from_millis(500))
+        .is_ok()
+    {
+        shared.reached();
+    } else {
+        shared.stand();
+    }
 }
 
 /// A message received: in its lane, its offset open until settled.

@@ -101,5 +101,6 @@ pub(super) async fn read_depths(
         unacknowledged: None,
         dead_letters,
         oldest_age: None,
+        ..source::Depths::default()
     })
 }

@@ -34,8 +34,8 @@ use lapin::{Channel, Connection, Consumer};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{AmqpConfig, PipelineConfig, RabbitMqConfig, SourceConfig};
+use crate::source::standing::Lent;
 use crate::source::{Source, SourceError};
-use crate::store::offsets::Offsets;
 
 use publish::CopyChannel;
 use topology::Role;
@@ -269,7 +269,7 @@ impl Source for Session {
     async fn open(
         queues: &RabbitMqConfig,
         pipeline: &PipelineConfig,
-        _offsets: &Offsets,
+        _lent: &Lent,
         shutdown: &CancellationToken,
     ) -> Result<Session, SourceError> {
         Ok(Session::open(queues, pipeline, shutdown).await?)
