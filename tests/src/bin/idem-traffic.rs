@@ -4,13 +4,23 @@
 //! distinct orders plus 200 redeliveries of random ones, in shuffled order, persistently and
 //! with publisher confirms. With `--subject orders.completed` it publishes to NATS JetStream
 //! instead (`--nats-url`, default `nats://127.0.0.1:4222`), each message stored by the stream
-//! that captures the subject before the next is sent.
+//! that captures the subject before the next is sent. With `--topic orders --kafka
+//! 127.0.0.1:9092` it produces to a Kafka topic (created if missing), each record keyed by its
+//! customer, by an idempotent producer (`acks=all`) with up to 10,000 records awaiting their
+//! delivery reports.
 
 use anyhow::Context;
 use clap::Parser;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{FieldTable, ShortString};
 use rand::seq::SliceRandom;
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 
 #[derive(Parser)]
 struct Args {
@@ -27,6 +37,15 @@ struct Args {
     subject: Option<String>,
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     nats_url: String,
+    /// Produce to this Kafka topic instead of a RabbitMQ queue.
+    #[arg(long, requires = "kafka")]
+    topic: Option<String>,
+    /// The Kafka brokers (`host:port`, comma-separated) `--topic` is on.
+    #[arg(long)]
+    kafka: Option<String>,
+    /// Partitions of the Kafka topic, when it is created.
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
     /// Distinct orders to publish.
     #[arg(long, default_value_t = 1000)]
     orders: i64,
@@ -53,12 +72,11 @@ async fn main() -> anyhow::Result<()> {
     }
     order_ids.shuffle(&mut rng);
     for order_id in &order_ids {
-        let body = idem_e2e::order(
-            *order_id,
-            order_id % args.customers + 1,
-            order_total(*order_id),
-        );
-        target.publish(&body).await?;
+        let customer = order_id % args.customers + 1;
+        let body = idem_e2e::order(*order_id, customer, order_total(*order_id));
+        target
+            .publish(&format!("customer-{customer}"), &body)
+            .await?;
     }
     let mut poison = 0;
     if args.poison {
@@ -67,14 +85,18 @@ async fn main() -> anyhow::Result<()> {
             &br#"{"order_id": 2, "total_cents": 500}"#[..],
             &br#"{"order_id": 3, "customer_id": 1, "total_cents": -500}"#[..],
         ] {
-            target.publish(body).await?;
+            target.publish("poison", body).await?;
             poison += 1;
         }
     }
+    target.flush().await?;
     println!(
         "published {} messages to {:?}: {} distinct orders, {} duplicate deliveries, {} malformed",
         order_ids.len() + poison,
-        args.subject.as_ref().unwrap_or(&args.queue),
+        args.subject
+            .as_ref()
+            .or(args.topic.as_ref())
+            .unwrap_or(&args.queue),
         args.orders,
         duplicate_count,
         poison
@@ -87,8 +109,9 @@ fn order_total(order_id: i64) -> i64 {
     500 + (order_id * 7919) % 20_000
 }
 
-/// Where the traffic goes: a RabbitMQ queue (declared durable if missing), or a JetStream
-/// subject (a stream must capture it; `idem run` creates one with `declare`).
+/// Where the traffic goes: a RabbitMQ queue (declared durable if missing), a JetStream
+/// subject (a stream must capture it; `idem run` creates one with `declare`), or a Kafka
+/// topic.
 enum Target {
     Queue {
         _connection: lapin::Connection,
@@ -99,10 +122,22 @@ enum Target {
         context: async_nats::jetstream::Context,
         subject: String,
     },
+    Topic {
+        producer: FutureProducer,
+        topic: String,
+        /// Delivery reports not received yet.
+        in_flight: std::sync::Mutex<FuturesUnordered<DeliveryFuture>>,
+    },
 }
+
+/// Records awaiting their delivery reports before the next produce waits for one.
+const KAFKA_IN_FLIGHT: usize = 10_000;
 
 impl Target {
     async fn open(args: &Args) -> anyhow::Result<Target> {
+        if let (Some(topic), Some(brokers)) = (&args.topic, &args.kafka) {
+            return Target::topic(brokers, topic, args.partitions).await;
+        }
         if let Some(subject) = &args.subject {
             let client = async_nats::connect(args.nats_url.as_str())
                 .await
@@ -131,7 +166,44 @@ impl Target {
         })
     }
 
-    async fn publish(&self, body: &[u8]) -> anyhow::Result<()> {
+    /// A Kafka topic on `brokers`, created with `partitions` if it is missing.
+    async fn topic(brokers: &str, topic: &str, partitions: i32) -> anyhow::Result<Target> {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", brokers);
+        let admin: AdminClient<DefaultClientContext> =
+            config.create().context("a Kafka admin client")?;
+        let created = admin
+            .create_topics(
+                [&NewTopic::new(
+                    topic,
+                    partitions,
+                    TopicReplication::Fixed(1),
+                )],
+                &AdminOptions::new(),
+            )
+            .await
+            .with_context(|| format!("create topic {topic:?} on {brokers}"))?;
+        for result in created {
+            match result {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((name, code)) => anyhow::bail!("create topic {name:?}: {code}"),
+            }
+        }
+        let producer: FutureProducer = config
+            .clone()
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "5")
+            .create()
+            .context("a Kafka producer")?;
+        Ok(Target::Topic {
+            producer,
+            topic: topic.to_string(),
+            in_flight: std::sync::Mutex::new(FuturesUnordered::new()),
+        })
+    }
+
+    async fn publish(&self, key: &str, body: &[u8]) -> anyhow::Result<()> {
         match self {
             Target::Queue { channel, queue, .. } => {
                 idem_e2e::publish(channel, queue, body).await;
@@ -145,6 +217,44 @@ impl Target {
                     .with_context(|| {
                         format!("no stream stored the message on {subject:?}: start idem first (it creates the stream)")
                     })?;
+            }
+            Target::Topic {
+                producer,
+                topic,
+                in_flight,
+            } => {
+                let record = FutureRecord::to(topic).key(key).payload(body);
+                let delivery = producer
+                    .send_result(record)
+                    .map_err(|(error, _)| anyhow::anyhow!("produce to {topic:?}: {error}"))?;
+                let full = {
+                    let in_flight = in_flight.lock().expect("in flight");
+                    in_flight.push(delivery);
+                    in_flight.len() >= KAFKA_IN_FLIGHT
+                };
+                if full {
+                    self.flush().await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every record's delivery report (Kafka; the others confirm each message as it
+    /// goes).
+    async fn flush(&self) -> anyhow::Result<()> {
+        let Target::Topic {
+            topic, in_flight, ..
+        } = self
+        else {
+            return Ok(());
+        };
+        let mut waiting = std::mem::take(&mut *in_flight.lock().expect("in flight"));
+        while let Some(report) = waiting.next().await {
+            match report {
+                Ok(Ok(_)) => {}
+                Ok(Err((error, _))) => anyhow::bail!("produce to {topic:?}: {error}"),
+                Err(_) => anyhow::bail!("produce to {topic:?}: the producer went away"),
             }
         }
         Ok(())
