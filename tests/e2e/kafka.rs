@@ -655,6 +655,38 @@ async fn a_broker_gone_is_on_readyz_and_each_partition_lag_on_metrics() {
     env.cleanup().await;
 }
 
+/// The broker gone, then the host stopped: the last commit cannot reach a coordinator, and the
+/// host still stops within seconds (the commit is waited for, bounded, and said to have
+/// failed) instead of waiting for a broker that may never come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_stops_while_its_broker_is_down() {
+    let env = TestEnv::new("kafka_stop_down").await;
+    let mut broker = Tansu::start();
+    let topic = env.queue.clone();
+    broker.create_topic(&topic, 2).await;
+    let host = env.start_host(parse(&config_text(&env, &broker, &topic, "")));
+    for order_id in 0..20 {
+        let key = format!("k{order_id}");
+        broker
+            .produce(&topic, Some(&key), &order(order_id, 4, 1_000), &[])
+            .await;
+    }
+    wait_for("every order credited", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 20
+    })
+    .await;
+    broker.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let started = std::time::Instant::now();
+    host.stop().await.expect("host stops cleanly");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "stopping took {:?}",
+        started.elapsed()
+    );
+    env.cleanup().await;
+}
+
 /// A broker that requires a SASL login and refuses this one (SCRAM-SHA-512, a user it does
 /// not know): the host stops with one line naming `pipelines.loyalty.source.sasl`, instead of
 /// retrying a login no retry can fix. (tansu cannot be given a user with memory storage, so
