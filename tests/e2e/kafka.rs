@@ -571,6 +571,32 @@ async fn a_group_whose_offsets_are_gone_resumes_at_the_database_floor() {
     env.cleanup().await;
 }
 
+/// A host (its config ending with `config_extra`) on a 2-partition topic of a broker of the
+/// test's own, once it has credited 20 orders produced one at a time (so tansu's high
+/// watermark is each partition's true end).
+async fn twenty_orders_credited(
+    name: &str,
+    config_extra: &str,
+) -> (TestEnv, Tansu, String, idem_e2e::Host) {
+    let env = TestEnv::new(name).await;
+    let broker = Tansu::start();
+    let topic = env.queue.clone();
+    broker.create_topic(&topic, 2).await;
+    let text = config_text(&env, &broker, &topic, "") + config_extra;
+    let host = env.start_host(parse(&text));
+    for order_id in 0..20 {
+        let key = format!("k{order_id}");
+        broker
+            .produce(&topic, Some(&key), &order(order_id, 4, 1_000), &[])
+            .await;
+    }
+    wait_for("every order credited", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 20
+    })
+    .await;
+    (env, broker, topic, host)
+}
+
 /// `/readyz`, `/metrics` and the broker gone: once the sampler has read the topic, each
 /// partition's lag is on `/metrics` (0 when everything is settled: the records are produced
 /// one at a time, so tansu's high watermark, its last batch's base offset + 1, is the true end
@@ -579,30 +605,9 @@ async fn a_group_whose_offsets_are_gone_resumes_at_the_database_floor() {
 /// unreachable; a broker back on the port makes it ready again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_gone_is_on_readyz_and_each_partition_lag_on_metrics() {
-    let env = TestEnv::new("kafka_ready").await;
-    let mut broker = Tansu::start();
-    let topic = env.queue.clone();
-    broker.create_topic(&topic, 2).await;
     let port = idem_e2e::free_port();
-    let text = format!(
-        "{}\n[http]\nlisten = \"127.0.0.1:{port}\"\n",
-        config_text(&env, &broker, &topic, "")
-    );
-    let host = env.start_host(parse(&text));
-    for order_id in 0..20 {
-        broker
-            .produce(
-                &topic,
-                Some(&format!("k{order_id}")),
-                &order(order_id, 4, 1_000),
-                &[],
-            )
-            .await;
-    }
-    wait_for("every order credited", Duration::from_secs(60), || async {
-        env.count("SELECT count(*) FROM point_ledger").await == 20
-    })
-    .await;
+    let http = format!("\n[http]\nlisten = \"127.0.0.1:{port}\"\n");
+    let (env, mut broker, topic, host) = twenty_orders_credited("kafka_ready", &http).await;
     let ready = || async { idem_e2e::http_request(port, "GET", "/readyz", None).await };
     wait_for("ready", Duration::from_secs(30), || async {
         ready().await.0 == 200
@@ -660,21 +665,7 @@ async fn a_broker_gone_is_on_readyz_and_each_partition_lag_on_metrics() {
 /// failed) instead of waiting for a broker that may never come back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_stops_while_its_broker_is_down() {
-    let env = TestEnv::new("kafka_stop_down").await;
-    let mut broker = Tansu::start();
-    let topic = env.queue.clone();
-    broker.create_topic(&topic, 2).await;
-    let host = env.start_host(parse(&config_text(&env, &broker, &topic, "")));
-    for order_id in 0..20 {
-        let key = format!("k{order_id}");
-        broker
-            .produce(&topic, Some(&key), &order(order_id, 4, 1_000), &[])
-            .await;
-    }
-    wait_for("every order credited", Duration::from_secs(60), || async {
-        env.count("SELECT count(*) FROM point_ledger").await == 20
-    })
-    .await;
+    let (env, mut broker, _, host) = twenty_orders_credited("kafka_stop_down", "").await;
     broker.kill();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let started = std::time::Instant::now();
