@@ -184,7 +184,7 @@ pub fn groups(letters: &[DeadLetter]) -> Vec<Group> {
 }
 
 impl Selection {
-    pub(super) fn matches(&self, letter: &DeadLetter) -> bool {
+    fn matches(&self, letter: &DeadLetter) -> bool {
         self.ids.as_ref().is_none_or(|ids| ids.contains(&letter.id))
             && self
                 .kind
@@ -202,8 +202,67 @@ impl Selection {
     }
 
     /// Whether `selected` messages are as many as the command asked for.
-    pub(super) fn is_full(&self, selected: u64) -> bool {
+    fn is_full(&self, selected: u64) -> bool {
         self.limit.is_some_and(|limit| selected >= limit)
+    }
+}
+
+/// What every kind's pass does with the dead letters it meets, oldest first: numbers them,
+/// picks those the selection matches until it has as many as asked for, and shows each picked
+/// one to the caller. What becomes of a picked one (left, replayed, discarded) is the kind's.
+pub(super) struct Walk<'a, F: FnMut(&DeadLetter)> {
+    selection: &'a Selection,
+    seen: F,
+    met: u64,
+    selected: u64,
+}
+
+impl<'a, F: FnMut(&DeadLetter)> Walk<'a, F> {
+    pub(super) fn new(selection: &'a Selection, seen: F) -> Self {
+        Walk {
+            selection,
+            seen,
+            met: 0,
+            selected: 0,
+        }
+    }
+
+    /// Whether the selection has as many as it asked for.
+    pub(super) fn is_done(&self) -> bool {
+        self.selection.is_full(self.selected)
+    }
+
+    /// How many dead letters the pass met.
+    pub(super) fn met(&self) -> u64 {
+        self.met
+    }
+
+    /// How many the selection picked.
+    pub(super) fn selected(&self) -> u64 {
+        self.selected
+    }
+
+    /// The position the next dead letter met has.
+    pub(super) fn next_position(&self) -> u64 {
+        self.met + 1
+    }
+
+    /// Meets `letter` (at [`Walk::next_position`]); whether the selection picks it, in which
+    /// case the caller was shown it.
+    pub(super) fn take(&mut self, letter: &DeadLetter) -> bool {
+        self.met += 1;
+        if !self.selection.matches(letter) {
+            return false;
+        }
+        self.selected += 1;
+        (self.seen)(letter);
+        true
+    }
+
+    /// Meets the dead letter named `id` holding `message`; it, when the selection picks it.
+    pub(super) fn meet(&mut self, id: String, message: InboundMessage) -> Option<DeadLetter> {
+        let letter = DeadLetter::recorded(self.next_position(), id, message);
+        self.take(&letter).then_some(letter)
     }
 }
 

@@ -94,6 +94,29 @@ pub fn reason_text(reason: &str) -> String {
     format!("{}…", &line[..cut])
 }
 
+/// Why a message was set aside and where it came from: what every dead letter carries, on
+/// every source, as text. Its time ([`REJECTED_AT`]) goes beside them in each broker's own
+/// type (RabbitMQ has a timestamp).
+pub struct Rejection<'a> {
+    pub error_kind: &'a str,
+    pub reason: &'a str,
+    pub pipeline: &'a str,
+    /// The queue, stream or topic the message was consumed from.
+    pub queue: &'a str,
+}
+
+impl Rejection<'_> {
+    /// The reason headers, each with its value: the reason as [`reason_text`] writes it.
+    pub fn headers(&self) -> [(&'static str, String); 4] {
+        [
+            (REASON, reason_text(self.reason)),
+            (ERROR_KIND, self.error_kind.to_string()),
+            (PIPELINE, self.pipeline.to_string()),
+            (QUEUE, self.queue.to_string()),
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -13,7 +13,7 @@ use async_nats::jetstream::{self, stream};
 
 use crate::config::{JetStreamConfig, PipelineConfig, subject_matches};
 use crate::message::InboundMessage;
-use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection};
+use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection, Walk};
 use crate::source::headers;
 
 use super::received::{REPLAY_ID_PREFIX, copied_headers};
@@ -28,7 +28,7 @@ pub async fn pass(
     pipeline: &PipelineConfig,
     selection: &Selection,
     action: Action,
-    mut seen: impl FnMut(&DeadLetter),
+    seen: impl FnMut(&DeadLetter),
 ) -> Result<u64, JetStreamError> {
     let client = connect(source, format!("idem dlq {}", pipeline.name)).await?;
     let context = jetstream::new(client);
@@ -38,10 +38,9 @@ pub async fn pass(
     };
     // Only what is there now: a message dead-lettered again while this runs is not met twice.
     let last = stream.cached_info().state.last_sequence;
-    let mut position = 0;
-    let mut selected = 0;
+    let mut walk = Walk::new(selection, seen);
     let mut next = 1;
-    while next <= last && !selection.is_full(selected) {
+    while next <= last && !walk.is_done() {
         let stored = match stream
             .get_first_raw_message_by_subject(&source.dead_letter_subject, next)
             .await
@@ -58,8 +57,7 @@ pub async fn pass(
             }
         };
         next = stored.sequence + 1;
-        position += 1;
-        if position > SCAN_MESSAGES {
+        if walk.met() >= SCAN_MESSAGES {
             tracing::warn!(
                 pipeline = %pipeline.name,
                 stream = %source.dead_letter_stream,
@@ -68,16 +66,12 @@ pub async fn pass(
             );
             break;
         }
-        let letter = DeadLetter::recorded(
-            position,
+        let Some(letter) = walk.meet(
             stored.sequence.to_string(),
             message(source, pipeline, &stored),
-        );
-        if !selection.matches(&letter) {
+        ) else {
             continue;
-        }
-        selected += 1;
-        seen(&letter);
+        };
         match action {
             Action::Look => {}
             Action::Replay => {
@@ -93,7 +87,7 @@ pub async fn pass(
             }
         }
     }
-    Ok(selected)
+    Ok(walk.selected())
 }
 
 /// The dead letter as the pipeline's plugin saw it: from the pipeline's stream, on the subject

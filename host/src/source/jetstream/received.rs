@@ -194,10 +194,15 @@ impl Delivery for Received {
     async fn dead_letter(&self, error_kind: &'static str, reason: &str) -> bool {
         let route = &self.route;
         let mut headers = copied_headers(self.original.headers.as_ref());
-        headers.insert(headers::REASON, headers::reason_text(reason).as_str());
-        headers.insert(headers::ERROR_KIND, error_kind);
-        headers.insert(headers::PIPELINE, route.pipeline.as_str());
-        headers.insert(headers::QUEUE, route.source.stream.as_str());
+        let rejection = headers::Rejection {
+            error_kind,
+            reason,
+            pipeline: &route.pipeline,
+            queue: &route.source.stream,
+        };
+        for (name, value) in rejection.headers() {
+            headers.insert(name, value.as_str());
+        }
         headers.insert(headers::SUBJECT, self.message.subject.as_str());
         headers.insert(
             headers::STREAM_SEQUENCE,

@@ -20,7 +20,7 @@ use rdkafka::{Offset, TopicPartitionList};
 
 use crate::config::{KafkaConfig, PipelineConfig};
 use crate::message::InboundMessage;
-use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection};
+use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection, Walk};
 use crate::source::headers;
 
 use super::topology::{REQUEST_TIMEOUT, Reader, failed, partitions, reader};
@@ -60,7 +60,7 @@ pub async fn pass(
     pipeline: &PipelineConfig,
     selection: &Selection,
     action: Action,
-    mut seen: impl FnMut(&DeadLetter),
+    seen: impl FnMut(&DeadLetter),
 ) -> Result<u64, KafkaError> {
     let stored = {
         let source = source.clone();
@@ -78,23 +78,18 @@ pub async fn pass(
         connect::producer(source, &format!("idem dlq {}", pipeline.name))
             .create()
             .map_err(|error| KafkaError::Client(error.to_string()))?;
-    let mut position = 0;
-    let mut selected = 0;
+    let mut walk = Walk::new(selection, seen);
     for record in &stored {
-        if selection.is_full(selected) {
+        if walk.is_done() {
             break;
         }
         let ours = record.header(headers::PIPELINE).as_deref() == Some(&pipeline.name);
         if !ours || record.header(headers::SETTLED).is_some() || settled.contains(&record.id()) {
             continue;
         }
-        position += 1;
-        let letter = DeadLetter::recorded(position, record.id(), message(source, pipeline, record));
-        if !selection.matches(&letter) {
+        let Some(letter) = walk.meet(record.id(), message(source, pipeline, record)) else {
             continue;
-        }
-        selected += 1;
-        seen(&letter);
+        };
         match action {
             Action::Look => {}
             Action::Replay => {
@@ -104,7 +99,7 @@ pub async fn pass(
             Action::Discard => mark(&producer, source, pipeline, record, "discarded").await?,
         }
     }
-    Ok(selected)
+    Ok(walk.selected())
 }
 
 /// Every record of the dead-letter topic up to its end when the pass began (blocking),

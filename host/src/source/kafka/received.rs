@@ -106,11 +106,13 @@ impl Received {
                 });
             }
         }
-        let own = [
-            (headers::REASON, headers::reason_text(reason)),
-            (headers::ERROR_KIND, error_kind.to_string()),
-            (headers::PIPELINE, self.shared.pipeline.clone()),
-            (headers::QUEUE, self.held.partition.topic.clone()),
+        let rejection = headers::Rejection {
+            error_kind,
+            reason,
+            pipeline: &self.shared.pipeline,
+            queue: &self.held.partition.topic,
+        };
+        let whence = [
             (headers::TOPIC, self.held.partition.topic.clone()),
             (
                 headers::PARTITION,
@@ -119,7 +121,7 @@ impl Received {
             (headers::OFFSET, self.held.offset.to_string()),
             (headers::REJECTED_AT, unix_seconds().to_string()),
         ];
-        for (name, value) in &own {
+        for (name, value) in rejection.headers().iter().chain(&whence) {
             headers = headers.insert(Header {
                 key: name,
                 value: Some(value.as_bytes()),

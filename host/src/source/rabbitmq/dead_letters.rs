@@ -20,7 +20,7 @@ use tracing::warn;
 
 use crate::config::{PipelineConfig, QueueType, RabbitMqConfig};
 use crate::message::InboundMessage;
-use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection};
+use crate::source::dead_letters::{Action, DeadLetter, SCAN_MESSAGES, Selection, Walk};
 use crate::source::headers;
 
 use super::publish::CopyChannel;
@@ -40,7 +40,7 @@ pub async fn pass(
     pipeline: &PipelineConfig,
     selection: &Selection,
     action: Action,
-    mut seen: impl FnMut(&DeadLetter),
+    seen: impl FnMut(&DeadLetter),
 ) -> Result<u64, AmqpError> {
     let queue = &queues.dead_letter_queue;
     let (connection, channel) = connect_channel(&queues.broker, "dlq").await?;
@@ -52,10 +52,10 @@ pub async fn pass(
     let renew = queues.queue_type == QueueType::Quorum;
     let mut kept = Vec::new();
     let mut held_bytes = 0;
-    let mut selected = 0;
+    let mut walk = Walk::new(selection, seen);
     let mut outcome = Ok(());
     for position in 1..=u64::from(waiting) {
-        if selection.is_full(selected) {
+        if walk.is_done() {
             break;
         }
         if position > SCAN_MESSAGES || held_bytes >= SCAN_BYTES {
@@ -76,13 +76,7 @@ pub async fn pass(
                 break;
             }
         };
-        let keep = if selection.matches(&letter) {
-            selected += 1;
-            seen(&letter);
-            action == Action::Look
-        } else {
-            true
-        };
+        let keep = !walk.take(&letter) || action == Action::Look;
         if keep {
             if !renew {
                 held_bytes += receipt.body.len();
@@ -110,7 +104,7 @@ pub async fn pass(
         receipt.nack_requeue().await;
     }
     let _ = connection.close(200, ShortString::from("dlq done")).await;
-    outcome.map(|()| selected)
+    outcome.map(|()| walk.selected())
 }
 
 /// Puts `channel` in confirm mode (a replay waits for its copy's confirm) and returns how

@@ -304,22 +304,18 @@ impl Receipt {
         reason: &str,
     ) -> Result<bool, AmqpError> {
         let mut headers = self.headers_kept(headers::is_kept_on_a_dead_letter);
-        headers.insert(
-            ShortString::from(headers::REASON),
-            AMQPValue::LongString(LongString::from(headers::reason_text(reason))),
-        );
-        headers.insert(
-            ShortString::from(headers::ERROR_KIND),
-            AMQPValue::LongString(LongString::from(error_kind)),
-        );
-        headers.insert(
-            ShortString::from(headers::PIPELINE),
-            AMQPValue::LongString(LongString::from(pipeline)),
-        );
-        headers.insert(
-            ShortString::from(headers::QUEUE),
-            AMQPValue::LongString(LongString::from(queues.queue.as_str())),
-        );
+        let rejection = headers::Rejection {
+            error_kind,
+            reason,
+            pipeline,
+            queue: &queues.queue,
+        };
+        for (name, value) in rejection.headers() {
+            headers.insert(
+                ShortString::from(name),
+                AMQPValue::LongString(LongString::from(value)),
+            );
+        }
         headers.insert(
             ShortString::from(headers::REJECTED_AT),
             AMQPValue::Timestamp(unix_seconds()),
