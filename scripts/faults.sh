@@ -11,11 +11,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 profile="${1:-full}"
-"$root/scripts/services.sh" --nats
-if ! rustup target list --installed | grep -qx wasm32-wasip2; then
-  rustup target add wasm32-wasip2
-fi
-cargo build -p idem-host --bin idem
+. "$root/scripts/setup.sh"
 IDEM_FAULTS="$profile" cargo test -p idem-e2e --test faults -- --nocapture 2>&1 |
   grep --line-buffered -E '^(faults:|soak|cluster:|failover:|test |test result)|verdict|panicked|assertion'
 exit "${PIPESTATUS[0]}"

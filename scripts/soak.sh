@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The nemesis soak: two idem hosts serve a RabbitMQ pipeline (ledger claims), a JetStream
-# pipeline (natural claims) and an outbox pipeline while a seeded scheduler injects faults
-# (host SIGKILL and SIGSTOP, PostgreSQL restart, pg_terminate_backend, pg_cancel_backend,
+# pipeline (natural claims), an outbox pipeline and a Kafka pipeline (one consumer group, on a
+# tansu broker of the soak's own) while a seeded scheduler injects faults (host SIGKILL and
+# SIGSTOP, a third Kafka group member joining and leaving, PostgreSQL restart, pg_terminate_backend, pg_cancel_backend,
 # schema migrations, a RabbitMQ restart, hot swaps, console and `idem dlq` reads, dead-letter
 # replays, a host through a transaction pooler configured for none, the rolling schema move,
 # hostile producer headers); then a checker proves every key applied once, no good message
@@ -13,9 +14,5 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-"$root/scripts/services.sh" --nats
-if ! rustup target list --installed | grep -qx wasm32-wasip2; then
-  rustup target add wasm32-wasip2
-fi
-cargo build -p idem-host --bin idem
+. "$root/scripts/setup.sh"
 cargo run -p idem-e2e --bin idem-soak -- "$@"

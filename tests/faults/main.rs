@@ -526,7 +526,7 @@ async fn bad_input_at_volume_is_dead_lettered_and_good_input_is_unaffected() {
 }
 
 /// The nemesis soak's short profile (`idem_e2e::soak`; `scripts/soak.sh` runs longer ones):
-/// two hosts, three pipelines, a minute and a quarter of seeded faults, then the checker.
+/// two hosts, four pipelines, a minute and a quarter of seeded faults, then the checker.
 /// The seed is fixed here so CI meets the same fault schedule each run; `IDEM_SOAK_SEED`
 /// picks another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,14 +6,15 @@
 //! base offset + 1 (so lag is not asserted here), a time lookup past the end answers 0, and a
 //! new group's first assignment waits about half of `session.timeout.ms` (the tests set 6 s).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -44,6 +45,16 @@ impl Record {
             .map(|(_, value)| value.as_str())
     }
 }
+
+/// A reader's context that keeps librdkafka's errors to the reader: reaching a partition's
+/// end is how [`Tansu::read_all`] knows it is done, not an error for the log.
+struct Quiet;
+
+impl ClientContext for Quiet {
+    fn error(&self, _error: KafkaError, _reason: &str) {}
+}
+
+impl ConsumerContext for Quiet {}
 
 pub struct Tansu {
     child: Option<Child>,
@@ -196,12 +207,12 @@ impl Tansu {
 
     /// Every record of `topic` now, read from the beginning of each partition to its end.
     pub fn read_all(&self, topic: &str) -> Vec<Record> {
-        let reader: BaseConsumer = self
+        let reader: BaseConsumer<Quiet> = self
             .client()
             .set("group.id", format!("test-reader-{}", crate::free_port()))
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "true")
-            .create()
+            .create_with_context(Quiet)
             .expect("reader");
         let metadata = reader
             .fetch_metadata(Some(topic), Duration::from_secs(10))
@@ -255,6 +266,43 @@ impl Tansu {
         records
     }
 
+    /// Where each partition of `topic` ends now (the offset after its last record), read
+    /// record by record: tansu's high watermark is short when a batch held several records.
+    pub fn ends(&self, topic: &str) -> BTreeMap<i32, i64> {
+        let mut ends = BTreeMap::new();
+        for record in self.read_all(topic) {
+            let end = ends.entry(record.partition).or_insert(0);
+            *end = (*end).max(record.offset + 1);
+        }
+        ends
+    }
+
+    /// The offsets `group` committed for `partitions` of `topic` (a partition it committed
+    /// nothing for is absent). Asked without joining the group.
+    pub fn committed(&self, topic: &str, group: &str, partitions: i32) -> BTreeMap<i32, i64> {
+        let reader: BaseConsumer = self
+            .client()
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("reader");
+        let mut list = TopicPartitionList::new();
+        for partition in 0..partitions {
+            list.add_partition(topic, partition);
+        }
+        let committed = reader
+            .committed_offsets(list, Duration::from_secs(10))
+            .unwrap_or_else(|error| panic!("{group}'s committed offsets of {topic}: {error}"));
+        committed
+            .elements()
+            .iter()
+            .filter_map(|element| match element.offset() {
+                Offset::Offset(offset) if offset >= 0 => Some((element.partition(), offset)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// A `[pipelines.<pipeline>]` table consuming `topic` on this broker (see [`pipeline_table`]).
     pub fn pipeline_table(
         &self,
@@ -285,6 +333,8 @@ impl Tansu {
 
 impl Drop for Tansu {
     fn drop(&mut self) {
+        // The producer first, so it does not log the broker's going.
+        self.producer = None;
         self.kill();
     }
 }

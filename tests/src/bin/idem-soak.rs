@@ -1,6 +1,7 @@
 //! `idem-soak [--seed N] [--minutes M]`: the nemesis soak (`idem_e2e::soak`). Two `idem run`
 //! hosts serve a RabbitMQ pipeline with ledger claims, a JetStream pipeline with natural
-//! claims and a pipeline whose receipts leave through the outbox, while faults drawn by the
+//! claims, a pipeline whose receipts leave through the outbox and a Kafka consumer group's
+//! pipeline (a tansu broker from `IDEM_TEST_TANSU`), while faults drawn by the
 //! seed hit them; then the checker's verdict. Exit 1 on a failure, which the same seed tries
 //! again. `scripts/soak.sh` builds what it needs and runs it.
 

@@ -11,6 +11,7 @@ use crate::jetstream::TestStream;
 use crate::{TestEnv, unacked};
 
 use super::endpoint::Endpoint;
+use super::kafka::SoakTopic;
 use super::produce::Produced;
 
 /// `sql`'s one number, or `None` while the database is away.
@@ -36,15 +37,40 @@ pub(super) async fn count(env: &TestEnv, sql: &str) -> i64 {
     }
 }
 
+/// What the soak's hosts consume and deliver to, as the checker reads them.
+pub(super) struct Sources<'a> {
+    pub(super) env: &'a TestEnv,
+    pub(super) stream: &'a TestStream,
+    pub(super) kafka: &'a SoakTopic,
+    pub(super) endpoint: &'a Arc<Mutex<Endpoint>>,
+}
+
+/// Why the hosts did not settle, with the state they were left in.
+pub(super) enum Unsettled {
+    /// The Kafka pipeline moved nothing for [`KAFKA_STALL`] while records wait past the
+    /// group's commit (tansu's group coordinator can leave a group without an assignment
+    /// after a member's death; see `kafka.rs`).
+    KafkaStalled(String),
+    /// Not everything settled within the time allowed.
+    TimedOut(String),
+}
+
+/// How long the Kafka pipeline may move nothing, with records waiting, before it counts as
+/// stalled.
+pub(super) const KAFKA_STALL: Duration = Duration::from_secs(60);
+
 /// Waits until every order is applied by every pipeline, every receipt delivered, and the
-/// sources hold nothing; `Err` says what is missing after the time allowed.
-pub(super) async fn settle(
-    env: &TestEnv,
-    stream: &TestStream,
-    endpoint: &Arc<Mutex<Endpoint>>,
-    orders: i64,
-) -> Result<(), String> {
+/// sources hold nothing; `Err` says what is missing after the time allowed, or that the Kafka
+/// group stalled.
+pub(super) async fn settle(sources: &Sources<'_>, orders: i64) -> Result<(), Unsettled> {
+    let Sources {
+        env,
+        stream,
+        kafka,
+        endpoint,
+    } = *sources;
     let until = Instant::now() + Duration::from_secs(300);
+    let mut kafka_progress = (None, Instant::now());
     loop {
         let loyalty = count(env, "SELECT count(*) FROM point_ledger").await;
         // A JetStream message the host could not finish on its last delivery is settled as
@@ -64,10 +90,14 @@ pub(super) async fn settle(
         let delivered = endpoint.lock().expect("endpoint").accepted.len() as i64;
         let queued = env.ready(&env.queue).await as u64 + unacked(&env.queue);
         let consumer = stream.consumer_counts("idem-natural").await;
+        let credited = count(env, "SELECT count(*) FROM kafka_ledger").await;
+        let uncommitted = kafka.uncommitted();
         let state = format!(
-            "loyalty {loyalty}, natural {natural}, receipts {receipts}, delivered {delivered} of {orders}; loyalty queue holds {queued}; stream consumer {consumer:?}"
+            "loyalty {loyalty}, natural {natural}, receipts {receipts}, kafka {credited}, delivered {delivered} of {orders}; loyalty queue holds {queued}; stream consumer {consumer:?}; Kafka records past the group's commit {uncommitted:?}"
         );
         if loyalty >= orders
+            && credited >= orders
+            && uncommitted.values().all(|records| *records == 0)
             && natural >= orders
             && receipts >= orders
             && delivered >= orders
@@ -76,8 +106,15 @@ pub(super) async fn settle(
         {
             return Ok(());
         }
+        let waiting: i64 = uncommitted.values().sum();
+        let kafka_now = Some((credited, waiting));
+        if kafka_now != kafka_progress.0 {
+            kafka_progress = (kafka_now, Instant::now());
+        } else if waiting > 0 && kafka_progress.1.elapsed() > KAFKA_STALL {
+            return Err(Unsettled::KafkaStalled(state));
+        }
         if Instant::now() > until {
-            return Err(state);
+            return Err(Unsettled::TimedOut(state));
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
@@ -85,14 +122,18 @@ pub(super) async fn settle(
 
 /// The checker. Appends each violation to `failures` and the counts to `counts`.
 pub(super) async fn check(
-    env: &TestEnv,
+    sources: &Sources<'_>,
     idem_tables: &str,
-    stream: &TestStream,
-    endpoint: &Arc<Mutex<Endpoint>>,
     produced: &Produced,
     failures: &mut Vec<String>,
     counts: &mut String,
 ) {
+    let Sources {
+        env,
+        stream,
+        kafka,
+        endpoint,
+    } = *sources;
     let orders = produced.orders;
     let expected: BTreeSet<i64> = (1..=orders).collect();
     let rows = |sql: String| async move {
@@ -185,9 +226,11 @@ pub(super) async fn check(
         &receipts,
         failures,
     );
+    let kafka_counts = check_kafka(env, idem_tables, kafka, &expected, failures).await;
     for (table, sums) in [
         ("balances", "point_ledger"),
         ("natural_balances", "natural_ledger"),
+        ("kafka_balances", "kafka_ledger"),
     ] {
         let mismatched = count(
             env,
@@ -262,6 +305,7 @@ pub(super) async fn check(
         .map(|(body, _)| body)
         .collect();
     dead.insert("natural", natural_dead);
+    dead.insert("kafka", kafka.dead_letters());
     for (pipeline, bodies) in &dead {
         let good = bodies
             .iter()
@@ -298,7 +342,7 @@ pub(super) async fn check(
         counts,
         "published {} deliveries ({orders} orders per source, {} malformed per source); \
          claims loyalty {} / receipts {}; rows point_ledger {} natural_ledger {} receipts {}; \
-         dead letters loyalty {} natural {} (+{} deliveries-exhausted) receipts {}; receipts delivered {} (+{redelivered} repeats with the same key)",
+         dead letters loyalty {} natural {} (+{} deliveries-exhausted) receipts {} kafka {}; {kafka_counts}; receipts delivered {} (+{redelivered} repeats with the same key)",
         produced.deliveries,
         produced.bad.len(),
         claims.len(),
@@ -310,8 +354,95 @@ pub(super) async fn check(
         dead["natural"].len(),
         exhausted.len(),
         dead["receipts"].len(),
+        dead["kafka"].len(),
         accepted.len(),
     );
+}
+
+/// The Kafka pipeline's own checks: per key, one claim exactly when its ledger row is there
+/// once; each customer's orders applied in the order produced (they share a partition, and
+/// `ordering = "key"` applies one key's messages one at a time in offset order); the group
+/// committed every partition to its end, never past it; the database floor never past the end
+/// (behind it only re-reads what the claims hold). Returns the counts' words.
+async fn check_kafka(
+    env: &TestEnv,
+    idem_tables: &str,
+    kafka: &SoakTopic,
+    expected: &BTreeSet<i64>,
+    failures: &mut Vec<String>,
+) -> String {
+    let claims: BTreeMap<String, i64> = sqlx::query_as::<_, (String, i64)>(sqlx::AssertSqlSafe(
+        format!(
+            "SELECT message_key, count(*)::int8 FROM {idem_tables}processed_messages WHERE consumer = 'kafka' GROUP BY 1"
+        ),
+    ))
+    .fetch_all(&env.pool)
+    .await
+    .expect("the Kafka pipeline's claims")
+    .into_iter()
+    .collect();
+    let applied: Vec<(i64, i64)> =
+        sqlx::query_as("SELECT customer_id, order_id FROM kafka_ledger ORDER BY applied")
+            .fetch_all(&env.pool)
+            .await
+            .expect("the Kafka pipeline's ledger");
+    let mut ledger = BTreeMap::<String, i64>::new();
+    let mut by_customer = BTreeMap::<i64, Vec<i64>>::new();
+    for (customer, order_id) in &applied {
+        *ledger
+            .entry(format!("order-completed:{order_id}"))
+            .or_default() += 1;
+        by_customer.entry(*customer).or_default().push(*order_id);
+    }
+    per_key(
+        "kafka",
+        expected,
+        |id| format!("order-completed:{id}"),
+        &claims,
+        &ledger,
+        failures,
+    );
+    let reordered: Vec<(i64, Vec<i64>)> = by_customer
+        .into_iter()
+        .filter(|(_, orders)| orders.windows(2).any(|pair| pair[0] >= pair[1]))
+        .collect();
+    if let Some((customer, orders)) = reordered.first() {
+        failures.push(format!(
+            "kafka: {} customers' orders applied out of the order produced (customer {customer}: {orders:?})",
+            reordered.len()
+        ));
+    }
+    let uncommitted = kafka.uncommitted();
+    if uncommitted.values().any(|records| *records != 0) {
+        failures.push(format!(
+            "kafka: the group's commits are not at each partition's end (records past the commit, per partition: {uncommitted:?})"
+        ));
+    }
+    let floors: BTreeMap<i32, i64> = sqlx::query_as::<_, (i32, i64)>(sqlx::AssertSqlSafe(format!(
+        "SELECT partition, next_offset FROM {idem_tables}idem_offsets WHERE consumer = 'kafka' AND topic = $1"
+    )))
+    .bind(&kafka.topic)
+    .fetch_all(&env.pool)
+    .await
+    .expect("the Kafka pipeline's floors")
+    .into_iter()
+    .collect();
+    let ends = kafka.ends();
+    let past: Vec<(i32, i64)> = floors
+        .iter()
+        .filter(|(partition, floor)| **floor > ends.get(partition).copied().unwrap_or(0))
+        .map(|(partition, floor)| (*partition, *floor))
+        .collect();
+    if !past.is_empty() {
+        failures.push(format!(
+            "kafka: database floors past their partition's end {past:?} (ends {ends:?})"
+        ));
+    }
+    format!(
+        "kafka claims {}, rows {}, partition ends {ends:?}, database floors {floors:?}",
+        claims.len(),
+        applied.len()
+    )
 }
 
 /// For each expected key: one claim exactly when its effect row is there once; and no claim

@@ -1,9 +1,11 @@
-//! The nemesis soak: two `idem run` hosts serve three pipelines (a RabbitMQ queue with ledger
+//! The nemesis soak: two `idem run` hosts serve four pipelines (a RabbitMQ queue with ledger
 //! claims, a JetStream stream with natural claims, a RabbitMQ queue whose receipts leave
-//! through the outbox to an HTTP endpoint) while a seeded scheduler injects faults drawn from
-//! a catalogue, in the spirit of Jepsen's nemesis and FoundationDB's simulation testing. Then
-//! a checker proves, per key: one claim exactly when every one of its effects is there once,
-//! no good message among the dead letters, nothing left unacked, every outbox row delivered.
+//! through the outbox to an HTTP endpoint, a Kafka topic read by both hosts in one consumer
+//! group) while a seeded scheduler injects faults drawn from a catalogue, in the spirit of
+//! Jepsen's nemesis and FoundationDB's simulation testing. Then a checker proves, per key: one
+//! claim exactly when every one of its effects is there once, no good message among the dead
+//! letters, nothing left unacked or uncommitted, every outbox row delivered, and each Kafka
+//! key's messages applied in the order produced.
 //!
 //! The seed fixes which faults come and in what order; timing is the machine's. The report
 //! prints the seed, the fault timeline and the verdict, so a failure is tried again with
@@ -12,6 +14,7 @@
 mod check;
 mod endpoint;
 mod hosts;
+mod kafka;
 mod nemesis;
 mod produce;
 
@@ -21,17 +24,16 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::routing::post;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 use crate::jetstream::TestStream;
 use crate::{TestEnv, free_port, plugin_path};
 
-use check::{check, count, settle};
+use check::{KAFKA_STALL, Sources, Unsettled, check, count, settle};
 use endpoint::{Endpoint, receive};
 use hosts::HostSlot;
-use nemesis::{CATALOGUE, MIGRATIONS, inject};
-use produce::produce;
+use kafka::SoakTopic;
+use nemesis::unleash;
+use produce::{Targets, produce};
 
 pub use produce::RabbitPublisher;
 
@@ -86,6 +88,11 @@ pub async fn run(profile: Profile) -> Report {
     .execute(&env.pool)
     .await
     .expect("soak tables");
+    sqlx::raw_sql(kafka::TABLES)
+        .execute(&env.pool)
+        .await
+        .expect("the Kafka pipeline's tables");
+    let kafka = Arc::new(SoakTopic::start(&format!("{}-kafka", env.queue)).await);
     // The hosts log in as a role named like the schema idem's tables move to (the README's
     // own example of a schema of idem's own), owning the database and its tables.
     let role = env.database.clone();
@@ -107,11 +114,10 @@ pub async fn run(profile: Profile) -> Report {
 
     let directory = std::env::temp_dir().join(&env.database);
     std::fs::create_dir_all(&directory).expect("soak directory");
+    let kafka_table = kafka.pipeline_table(&plugin_path("loyalty"));
     let mut hosts: Vec<HostSlot> = (0..2)
         .map(|index| {
             let http_port = free_port();
-            let config = directory.join(format!("host{index}.toml"));
-            let moved_config = directory.join(format!("host{index}-moved.toml"));
             let text = config_text(
                 &env,
                 &stream,
@@ -120,67 +126,60 @@ pub async fn run(profile: Profile) -> Report {
                 endpoint_port,
                 http_port,
             );
-            let header = env.config_header();
-            let text = text.replacen(&header, &as_role(&header, &role), 1);
-            let moved = text.replacen(
-                "[database]\n",
-                &format!("[database]\nschema = \"{role}\"\n"),
-                1,
-            );
-            std::fs::write(&config, text).expect("write config");
-            std::fs::write(&moved_config, moved).expect("write config");
-            HostSlot {
-                config,
-                moved_config,
+            HostSlot::configured(
+                &directory,
+                &format!("host{index}"),
+                &(text + &kafka_table),
+                &env.config_header(),
+                &role,
                 http_port,
-                process: None,
-                log: directory.join(format!("host{index}.log")),
-            }
+            )
         })
         .collect();
+    // A third member of the Kafka group (that pipeline alone), which the nemesis brings in
+    // and takes out: each time, two rebalances under load.
+    let mut member = {
+        let http_port = free_port();
+        let text = format!(
+            "{}\n[http]\nlisten = \"127.0.0.1:{http_port}\"\n{kafka_table}",
+            env.config_header()
+        );
+        HostSlot::configured(
+            &directory,
+            "member",
+            &text,
+            &env.config_header(),
+            &role,
+            http_port,
+        )
+    };
     for host in &mut hosts {
         host.start();
     }
 
     let bad_every = 97;
     let producer = tokio::spawn(produce(
-        env.queue.clone(),
-        receipts_queue.clone(),
-        stream.context.clone(),
-        stream.subject.clone(),
+        Targets {
+            queue: env.queue.clone(),
+            receipts_queue: receipts_queue.clone(),
+            stream: stream.context.clone(),
+            subject: stream.subject.clone(),
+            kafka: Arc::clone(&kafka),
+        },
         profile.orders,
         bad_every,
         profile.duration,
     ));
 
-    let mut rng = StdRng::seed_from_u64(profile.seed);
-    let mut timeline = Vec::new();
-    let mut migrations = MIGRATIONS.iter();
-    let total_weight: u32 = CATALOGUE.iter().map(|(_, weight)| weight).sum();
-    let faults_end = Instant::now() + profile.duration;
-    while Instant::now() < faults_end {
-        let pause = rng.random_range(1_000..3_500);
-        tokio::time::sleep(Duration::from_millis(pause)).await;
-        let mut pick = rng.random_range(0..total_weight);
-        let fault = CATALOGUE
-            .iter()
-            .find(|(_, weight)| {
-                if pick < *weight {
-                    true
-                } else {
-                    pick -= weight;
-                    false
-                }
-            })
-            .map(|(fault, _)| *fault)
-            .expect("a fault");
-        let target = rng.random_range(0..hosts.len());
-        let amount = rng.random_range(500..3_000u64);
-        let what = inject(fault, target, amount, &mut hosts, &env, &mut migrations).await;
-        let line = format!("{:>7.1}s  {what}", started.elapsed().as_secs_f64());
-        eprintln!("soak: {line}");
-        timeline.push(line);
-    }
+    let mut timeline = unleash(
+        profile.seed,
+        profile.duration,
+        started,
+        &mut hosts,
+        &mut member,
+        &env,
+    )
+    .await;
     // Every host back, running, for the end of the run.
     for host in &mut hosts {
         host.signal("-CONT");
@@ -193,20 +192,65 @@ pub async fn run(profile: Profile) -> Report {
             host.start();
         }
     }
+    // The third group member leaves for good: one more rebalance, with the orders still
+    // coming.
+    let member_left = member.stop();
     let produced = producer.await.expect("producer");
     eprintln!(
         "soak: faults over at {:.1}s; waiting for the hosts to settle",
         started.elapsed().as_secs_f64()
     );
-    let settled = settle(&env, &stream, &endpoint, profile.orders).await;
+    let sources = Sources {
+        env: &env,
+        stream: &stream,
+        kafka: &kafka,
+        endpoint: &endpoint,
+    };
+    let mut settled = settle(&sources, profile.orders).await;
     let mut stopped_cleanly = true;
+    // tansu's group coordinator can keep a dead member as the group's leader for good, so
+    // no member is ever assigned (a broker fault, not the hosts': a Kafka broker evicts a
+    // silent member after `session.timeout.ms`; see `SoakTopic::regroup`). The hosts move to
+    // a new group, which starts at the database floor; the timeline says so, and the checker
+    // then holds the pipeline to everything, as ever.
+    for _ in 0..2 {
+        let Err(Unsettled::KafkaStalled(state)) = &settled else {
+            break;
+        };
+        let group = kafka.regroup();
+        let line = format!(
+            "{:>7.1}s  the Kafka group moved nothing for {}s ({state}): the hosts move to group {group} (tansu keeps a dead leader)",
+            started.elapsed().as_secs_f64(),
+            KAFKA_STALL.as_secs()
+        );
+        eprintln!("soak: {line}");
+        timeline.push(line);
+        for host in &mut hosts {
+            stopped_cleanly &= host.stop();
+            host.join_kafka_group(&group);
+        }
+        member.join_kafka_group(&group);
+        for host in &mut hosts {
+            host.start();
+        }
+        settled = settle(&sources, profile.orders).await;
+    }
     for host in &mut hosts {
         stopped_cleanly &= host.stop();
     }
 
     let mut failures = Vec::new();
-    if let Err(what) = settled {
-        failures.push(format!("not settled within the time allowed: {what}"));
+    match settled {
+        Ok(()) => {}
+        Err(Unsettled::TimedOut(what)) => {
+            failures.push(format!("not settled within the time allowed: {what}"));
+        }
+        Err(Unsettled::KafkaStalled(what)) => failures.push(format!(
+            "the Kafka pipeline moved nothing in a new group either: {what}"
+        )),
+    }
+    if !member_left {
+        failures.push("the third Kafka group member did not exit 0 on SIGTERM".into());
     }
     if !stopped_cleanly {
         failures.push("a host did not exit 0 on SIGTERM".into());
@@ -226,10 +270,8 @@ pub async fn run(profile: Profile) -> Report {
         String::new()
     };
     check(
-        &env,
+        &sources,
         &idem_tables,
-        &stream,
-        &endpoint,
         &produced,
         &mut failures,
         &mut counts,
@@ -312,22 +354,6 @@ async fn drop_role(role: &str) {
         .execute(&mut admin)
         .await;
     }
-}
-
-/// `header` (the `[database]` and `[amqp]` tables) with the database URL's user `role`.
-fn as_role(header: &str, role: &str) -> String {
-    header
-        .lines()
-        .map(|line| match line.strip_prefix("url = \"postgres://") {
-            Some(rest) => {
-                let host = rest.split_once('@').map_or(rest, |(_, host)| host);
-                format!("url = \"postgres://{role}@{host}")
-            }
-            None => line.to_string(),
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
-        + "\n"
 }
 
 /// The config of one host: the three pipelines, the outbox endpoint, its own HTTP port.

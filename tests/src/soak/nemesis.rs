@@ -3,6 +3,9 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
 use crate::{TestEnv, free_port, idem_binary};
 
 use super::check::sql_count;
@@ -30,9 +33,12 @@ pub(super) enum Fault {
     /// `pooling = "none"` (the default): it must refuse its transactions, naming the setting,
     /// and lose or double nothing.
     WrongPooler,
+    /// A third member of the Kafka group (that pipeline alone) joins, or, when it is in,
+    /// leaves with SIGTERM: a rebalance under load either way.
+    GroupMember,
 }
 
-pub(super) const CATALOGUE: [(Fault, u32); 13] = [
+const CATALOGUE: [(Fault, u32); 14] = [
     (Fault::KillHost, 3),
     (Fault::PauseHost, 2),
     (Fault::TerminateBackends, 3),
@@ -46,24 +52,67 @@ pub(super) const CATALOGUE: [(Fault, u32); 13] = [
     (Fault::DeadLetterReplay, 1),
     (Fault::SchemaMove, 1),
     (Fault::WrongPooler, 1),
+    (Fault::GroupMember, 2),
 ];
 
 /// Schema changes a DBA makes under load; each runs once, in this order. Every generated
 /// message satisfies the CHECK.
-pub(super) const MIGRATIONS: [&str; 4] = [
+const MIGRATIONS: [&str; 4] = [
     "ALTER TABLE point_ledger ADD COLUMN soak_note text",
     "ALTER TABLE point_ledger ALTER COLUMN points TYPE bigint",
     "ALTER TABLE point_ledger ADD CONSTRAINT soak_points_bounded CHECK (points < 1000000) NOT VALID",
     "CREATE INDEX CONCURRENTLY IF NOT EXISTS soak_ledger_customer ON point_ledger (customer_id)",
 ];
 
+/// Draws a fault by `seed` every 1 to 3.5 s for `duration` and injects it; the timeline,
+/// each line stamped with the time since `started`.
+pub(super) async fn unleash(
+    seed: u64,
+    duration: Duration,
+    started: Instant,
+    hosts: &mut [HostSlot],
+    member: &mut HostSlot,
+    env: &TestEnv,
+) -> Vec<String> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut timeline = Vec::new();
+    let mut migrations = MIGRATIONS.iter();
+    let total_weight: u32 = CATALOGUE.iter().map(|(_, weight)| weight).sum();
+    let faults_end = Instant::now() + duration;
+    while Instant::now() < faults_end {
+        let pause = rng.random_range(1_000..3_500);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let mut pick = rng.random_range(0..total_weight);
+        let fault = CATALOGUE
+            .iter()
+            .find(|(_, weight)| {
+                if pick < *weight {
+                    true
+                } else {
+                    pick -= weight;
+                    false
+                }
+            })
+            .map(|(fault, _)| *fault)
+            .expect("a fault");
+        let target = rng.random_range(0..hosts.len());
+        let amount = rng.random_range(500..3_000u64);
+        let what = inject(fault, target, amount, hosts, member, env, &mut migrations).await;
+        let line = format!("{:>7.1}s  {what}", started.elapsed().as_secs_f64());
+        eprintln!("soak: {line}");
+        timeline.push(line);
+    }
+    timeline
+}
+
 /// Injects `fault` (on host `target` where it names one, for `amount` milliseconds where it
 /// lasts); returns the timeline's words for it.
-pub(super) async fn inject(
+async fn inject(
     fault: Fault,
     target: usize,
     amount: u64,
     hosts: &mut [HostSlot],
+    member: &mut HostSlot,
     env: &TestEnv,
     migrations: &mut std::slice::Iter<'_, &str>,
 ) -> String {
@@ -140,7 +189,16 @@ pub(super) async fn inject(
                     && started.is_ok_and(|status| status.success())
             )
         }
-        Fault::SchemaMove => move_schema(hosts).await,
+        Fault::SchemaMove => move_schema(hosts, member).await,
+        Fault::GroupMember => {
+            if member.is_running() {
+                let clean = member.stop();
+                format!("the third Kafka group member leaves (clean stop {clean})")
+            } else {
+                member.start();
+                "a third member joins the Kafka group".to_string()
+            }
+        }
         Fault::WrongPooler => wrong_pooler(&hosts[target], amount).await,
         Fault::HotSwap => {
             hosts[target].signal("-HUP");
@@ -166,7 +224,7 @@ pub(super) async fn inject(
             format!("console read of loyalty's dead letters on host {target}: {status}")
         }
         Fault::DeadLetterRead | Fault::DeadLetterReplay => {
-            let pipeline = ["loyalty", "natural", "receipts"][(amount % 3) as usize];
+            let pipeline = ["loyalty", "natural", "receipts", "kafka"][(amount % 4) as usize];
             let args: &[&str] = if fault == Fault::DeadLetterRead {
                 &["dlq", "list"]
             } else {
@@ -197,7 +255,7 @@ pub(super) async fn inject(
 /// `"$user"`, the role being named like the schema), then each host restarted on the moved
 /// config in turn. Not done when the migration fails (PostgreSQL away): a later draw tries
 /// again.
-async fn move_schema(hosts: &mut [HostSlot]) -> String {
+async fn move_schema(hosts: &mut [HostSlot], member: &mut HostSlot) -> String {
     if hosts.iter().any(|host| host.config == host.moved_config) {
         return "schema move: done already".into();
     }
@@ -226,6 +284,11 @@ async fn move_schema(hosts: &mut [HostSlot]) -> String {
         clean &= host.stop();
         host.config = host.moved_config.clone();
         host.start();
+    }
+    member.config = member.moved_config.clone();
+    if member.is_running() {
+        clean &= member.stop();
+        member.start();
     }
     format!("schema move: {said}; hosts restarted on the moved config (clean stops {clean})")
 }

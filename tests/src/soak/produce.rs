@@ -2,6 +2,7 @@
 //! every source, each publish retried until the broker confirms it.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lapin::options::BasicPublishOptions;
@@ -9,6 +10,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 
 use crate::order;
+
+use super::kafka::SoakTopic;
 
 pub(super) fn customer(order_id: i64) -> i64 {
     order_id % 41
@@ -32,19 +35,32 @@ pub(super) struct Produced {
     pub(super) deliveries: u64,
 }
 
-/// Publishes `orders` orders to the loyalty queue, the receipts queue and the stream, spread
-/// over `duration`, with duplicates (every 7th order again) and a malformed message after
-/// every `bad_every`th order. Each publish is retried until the broker confirms it, through
-/// broker restarts.
+/// Where the producer publishes each order: the loyalty and receipts queues, the stream's
+/// subject, the Kafka topic.
+pub(super) struct Targets {
+    pub(super) queue: String,
+    pub(super) receipts_queue: String,
+    pub(super) stream: async_nats::jetstream::Context,
+    pub(super) subject: String,
+    pub(super) kafka: Arc<SoakTopic>,
+}
+
+/// Publishes `orders` orders to every target, spread over `duration`, with duplicates (every
+/// 7th order again) and a malformed message after every `bad_every`th order. Each publish is
+/// retried until the broker confirms it, through broker restarts.
 pub(super) async fn produce(
-    queue: String,
-    receipts_queue: String,
-    stream: async_nats::jetstream::Context,
-    subject: String,
+    targets: Targets,
     orders: i64,
     bad_every: i64,
     duration: Duration,
 ) -> Produced {
+    let Targets {
+        queue,
+        receipts_queue,
+        stream,
+        subject,
+        kafka,
+    } = targets;
     let mut rabbit = RabbitPublisher::to(&crate::amqp_url());
     let mut produced = Produced {
         orders,
@@ -75,7 +91,8 @@ pub(super) async fn produce(
             while !stored_on_stream(&stream, &subject, body, hostile).await {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            produced.deliveries += 3;
+            kafka.produce(customer(order_id), body, hostile).await;
+            produced.deliveries += 4;
         }
         if let Some(rest) = pace.checked_sub(started.elapsed()) {
             tokio::time::sleep(rest).await;
