@@ -44,8 +44,8 @@ async fn operator_pause(port: u16) -> serde_json::Value {
     status["pipelines"][0]["operator_pause"].clone()
 }
 
-/// Two hosts of one pipeline. A pause on one (the admin API) stops that one only; its
-/// `/readyz` says why; the other host takes every message. `idem pause` stops both within
+/// Two hosts of one pipeline. A pause on one (the admin API) stops that one only; it stays
+/// ready (`/admin/status` and a gauge say why); the other host takes every message. `idem pause` stops both within
 /// seconds: they settle what they started and give back what they prefetched (every message
 /// published meanwhile waits on the queue, none unacknowledged), and a restarted host stays
 /// paused. `idem resume` resumes both, and every order is credited once.
@@ -81,11 +81,16 @@ async fn a_pipeline_paused_here_or_everywhere_loses_nothing() {
     .await;
     assert_eq!(status, 200, "{paused}");
     assert_eq!(paused["persistent"], false, "{paused}");
+    // Intended, so the host stays ready (a rolling deploy is not held up by a paused
+    // pipeline); the status and a gauge say it.
     let (status, ready) = http_send(first, "GET", "/readyz", &[], None).await;
-    assert_eq!(status, 503, "{ready}");
+    assert_eq!(status, 200, "{ready}");
+    let held = operator_pause(first).await;
+    assert_eq!(held["reason"], "investigating a bad deploy", "{held}");
+    let (_, metrics) = http_send(first, "GET", "/metrics", &[], None).await;
     assert!(
-        ready.contains("paused by an operator (investigating a bad deploy)"),
-        "{ready}"
+        metrics.contains("idem_pipeline_operator_paused{pipeline=\"loyalty\"} 1"),
+        "{metrics}"
     );
     for order_id in 1..=200 {
         env.publish(&order(order_id, order_id % 9, 1_000)).await;

@@ -17,7 +17,7 @@ pub struct Browser {
     output: Lines<BufReader<ChildStdout>>,
 }
 
-/// Where the console tests write their screenshots (`target/console/`), which the README's
+/// Where the console tests write their screenshots (`target/console/`), which docs/operations.md's
 /// images in `docs/console/` are copied from.
 pub fn screenshot_dir() -> PathBuf {
     let directory = Path::new(env!("CARGO_MANIFEST_DIR"))

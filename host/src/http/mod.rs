@@ -319,7 +319,8 @@ async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
     )
 }
 
-/// Ready when every database answers and every pipeline is subscribed to its queue.
+/// Ready when every database answers and every pipeline is subscribed to its queue, but for
+/// those an operator paused.
 async fn ready(State(state): State<AppState>) -> impl IntoResponse {
     let mut problems = Vec::new();
     for (name, database) in state.databases.iter() {
@@ -342,13 +343,12 @@ async fn ready(State(state): State<AppState>) -> impl IntoResponse {
         if let Some(paused) = pipeline.paused() {
             problems.push(format!("pipeline {:?}: {paused}", pipeline.name()));
         }
-        if let Some(pause) = pipeline.operator_pause() {
-            problems.push(format!(
-                "pipeline {:?}: paused by an operator ({})",
-                pipeline.name(),
-                pause.reason
-            ));
-        } else if !pipeline.is_consuming() {
+        // An operator's pause is intended: the host is ready (a rolling deploy goes on while a
+        // pipeline is paused); `/admin/status` and `idem_pipeline_operator_paused` show it.
+        if pipeline.operator_pause().is_some() {
+            continue;
+        }
+        if !pipeline.is_consuming() {
             problems.push(format!(
                 "pipeline {:?}: not consuming {:?}",
                 pipeline.name(),

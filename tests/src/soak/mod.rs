@@ -93,7 +93,7 @@ pub async fn run(profile: Profile) -> Report {
         .await
         .expect("the Kafka pipeline's tables");
     let kafka = Arc::new(SoakTopic::start(&format!("{}-kafka", env.queue)).await);
-    // The hosts log in as a role named like the schema idem's tables move to (the README's
+    // The hosts log in as a role named like the schema idem's tables move to (the docs'
     // own example of a schema of idem's own), owning the database and its tables.
     let role = env.database.clone();
     own_database(&env, &role).await;
