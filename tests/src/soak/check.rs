@@ -91,7 +91,7 @@ pub(super) async fn settle(sources: &Sources<'_>, orders: i64) -> Result<(), Uns
         let queued = env.ready(&env.queue).await as u64 + unacked(&env.queue);
         let consumer = stream.consumer_counts("idem-natural").await;
         let credited = count(env, "SELECT count(*) FROM kafka_ledger").await;
-        let uncommitted = kafka.uncommitted();
+        let uncommitted = kafka.uncommitted(&kafka.ends());
         let state = format!(
             "loyalty {loyalty}, natural {natural}, receipts {receipts}, kafka {credited}, delivered {delivered} of {orders}; loyalty queue holds {queued}; stream consumer {consumer:?}; Kafka records past the group's commit {uncommitted:?}"
         );
@@ -412,7 +412,8 @@ async fn check_kafka(
             reordered.len()
         ));
     }
-    let uncommitted = kafka.uncommitted();
+    let ends = kafka.ends();
+    let uncommitted = kafka.uncommitted(&ends);
     if uncommitted.values().any(|records| *records != 0) {
         failures.push(format!(
             "kafka: the group's commits are not at each partition's end (records past the commit, per partition: {uncommitted:?})"
@@ -427,7 +428,6 @@ async fn check_kafka(
     .expect("the Kafka pipeline's floors")
     .into_iter()
     .collect();
-    let ends = kafka.ends();
     let past: Vec<(i32, i64)> = floors
         .iter()
         .filter(|(partition, floor)| **floor > ends.get(partition).copied().unwrap_or(0))

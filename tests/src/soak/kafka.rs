@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Mutex;
 
+use idem_host::source::headers;
+
 use crate::kafka::Tansu;
 
 /// The topic's partitions: more than the hosts, so a rebalance moves some and keeps some.
@@ -81,34 +83,17 @@ ON CONFLICT (customer_id) DO UPDATE SET points = kafka_balances.points + EXCLUDE
     }
 
     /// Produces `body` keyed by `customer` (so one customer's orders share a partition, in
-    /// the order produced), with a hostile producer's headers when `hostile`: a `tracestate`
-    /// with a NUL beside a valid `traceparent`, an attempt past any number, a control
-    /// character and 10 KB in another header. Waits for the broker's ack.
-    pub(super) async fn produce(&self, customer: i64, body: &[u8], hostile: bool) {
-        let note = format!("\u{1}{}", "x".repeat(10 * 1024));
-        let headers: &[(&str, &str)] = if hostile {
-            &[
-                (
-                    "traceparent",
-                    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-                ),
-                ("tracestate", "k=v\0"),
-                ("x-idem-attempt", "99999999999999999999999"),
-                ("x-note", &note),
-            ]
-        } else {
-            &[]
-        };
+    /// the order produced) with `headers`. Waits for the broker's ack.
+    pub(super) async fn produce(&self, customer: i64, body: &[u8], headers: &[(&str, &str)]) {
         let key = format!("customer-{customer}");
         self.broker
             .produce(&self.topic, Some(&key), body, headers)
             .await;
     }
 
-    /// Per partition, the records the group has not committed past: its end less its
-    /// committed offset (a partition with no commit counts from 0).
-    pub(super) fn uncommitted(&self) -> BTreeMap<i32, i64> {
-        let ends = self.broker.ends(&self.topic);
+    /// Per partition, the records the group has not committed past: where it `ends` less
+    /// the group's committed offset (a partition with no commit counts from 0).
+    pub(super) fn uncommitted(&self, ends: &BTreeMap<i32, i64>) -> BTreeMap<i32, i64> {
         let group = self.group.lock().expect("group").clone();
         let committed = self.broker.committed(&self.topic, &group, PARTITIONS);
         (0..PARTITIONS)
@@ -137,12 +122,14 @@ ON CONFLICT (customer_id) DO UPDATE SET points = kafka_balances.points + EXCLUDE
         self.broker.ends(&self.topic)
     }
 
-    /// The body of every record on the dead-letter topic (a replayed dead letter that failed
-    /// again is there twice: a Kafka topic keeps every record).
+    /// The body of every dead letter on the dead-letter topic (a replayed dead letter that
+    /// failed again is there twice: a Kafka topic keeps every record), leaving out the markers
+    /// `idem dlq replay` and `discard` append (`x-idem-settled`) to say which they settled.
     pub(super) fn dead_letters(&self) -> Vec<Vec<u8>> {
         self.broker
             .read_all(&self.dead_letter_topic)
             .into_iter()
+            .filter(|record| record.header(headers::SETTLED).is_none())
             .map(|record| record.payload)
             .collect()
     }

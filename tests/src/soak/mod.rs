@@ -183,11 +183,7 @@ pub async fn run(profile: Profile) -> Report {
     // Every host back, running, for the end of the run.
     for host in &mut hosts {
         host.signal("-CONT");
-        if host
-            .process
-            .as_mut()
-            .is_none_or(|process| matches!(process.try_wait(), Ok(Some(_))))
-        {
+        if !host.is_running() {
             host.kill();
             host.start();
         }

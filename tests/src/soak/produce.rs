@@ -83,15 +83,30 @@ pub(super) async fn produce(
         }
         // Every 11th order carries a hostile producer's headers: data, never a fault.
         let hostile = order_id % 11 == 0;
+        let hostile_pairs = if hostile {
+            hostile_headers()
+        } else {
+            Vec::new()
+        };
+        let kafka_headers: Vec<(&str, &str)> = hostile_pairs
+            .iter()
+            .map(|(name, value)| (*name, value.as_str()))
+            .collect();
         for body in &bodies {
             rabbit.publish(&queue, body).await;
             rabbit
-                .publish_with(&receipts_queue, body, hostile.then(hostile_headers))
+                .publish_with(
+                    &receipts_queue,
+                    body,
+                    hostile.then(|| field_table(&hostile_pairs)),
+                )
                 .await;
             while !stored_on_stream(&stream, &subject, body, hostile).await {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            kafka.produce(customer(order_id), body, hostile).await;
+            kafka
+                .produce(customer(order_id), body, &kafka_headers)
+                .await;
             produced.deliveries += 4;
         }
         if let Some(rest) = pace.checked_sub(started.elapsed()) {
@@ -101,11 +116,11 @@ pub(super) async fn produce(
     produced
 }
 
-/// Headers a hostile producer sets: a `tracestate` with a NUL and one of 10 KB beside a
-/// valid `traceparent`, an attempt past any number, a control character in a header.
-fn hostile_headers() -> FieldTable {
-    let mut headers = FieldTable::default();
-    for (name, value) in [
+/// Headers a hostile producer sets: a `tracestate` with a NUL beside a valid
+/// `traceparent`, an attempt and a rejection time past any number, a control character and
+/// 10 KB in another header.
+fn hostile_headers() -> Vec<(&'static str, String)> {
+    vec![
         (
             "traceparent",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_string(),
@@ -114,13 +129,19 @@ fn hostile_headers() -> FieldTable {
         ("x-idem-attempt", "99999999999999999999999".to_string()),
         ("x-idem-rejected-at", "18446744073709551615".to_string()),
         ("x-note", format!("\u{1}{}", "x".repeat(10 * 1024))),
-    ] {
-        headers.insert(
-            ShortString::from(name),
-            AMQPValue::LongString(LongString::from(value.into_bytes())),
+    ]
+}
+
+/// `headers` as an AMQP field table.
+fn field_table(headers: &[(&str, String)]) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (name, value) in headers {
+        table.insert(
+            ShortString::from(*name),
+            AMQPValue::LongString(LongString::from(value.as_bytes().to_vec())),
         );
     }
-    headers
+    table
 }
 
 /// Publishes `body` to `subject` (with a hostile producer's headers when `hostile`); whether
