@@ -1,31 +1,57 @@
 //! How long to wait before trying again, everywhere the host tries again: reconnects,
 //! transient database errors, a message's retryable failures, an outbox row's deliveries.
-//! One [`Schedule`] (doubling from a first wait up to a cap), waited out exactly or with
-//! jitter through a [`Backoff`].
+//! One [`Schedule`] (growing from a first wait, doubling unless told otherwise, up to a cap),
+//! waited out exactly, cut by a random share ([`jittered`]), or through a [`Backoff`].
 
 use std::time::Duration;
 
 use rand::Rng;
 
-/// Waits that double from `first` up to `max`: the n-th wait (from 1) is
-/// `first × 2^(n−1)`, at most `max`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Waits that grow from `first` by `multiplier` up to `max`: the n-th wait (from 1) is
+/// `first × multiplier^(n−1)`, at most `max`.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Schedule {
     pub first: Duration,
     pub max: Duration,
+    pub multiplier: f64,
 }
 
 impl Schedule {
+    /// Waits that double.
     pub const fn new(first: Duration, max: Duration) -> Schedule {
-        Schedule { first, max }
+        Schedule {
+            first,
+            max,
+            multiplier: 2.0,
+        }
+    }
+
+    /// The same, each wait `multiplier` times the one before (at least 1).
+    pub fn multiplied_by(self, multiplier: f64) -> Schedule {
+        Schedule {
+            multiplier: multiplier.max(1.0),
+            ..self
+        }
     }
 
     /// The `nth` wait (1 for the first; 0 counts as the first).
     pub fn delay(&self, nth: u32) -> Duration {
-        let doublings = nth.saturating_sub(1).min(20);
-        let factor = 1u32.checked_shl(doublings).unwrap_or(u32::MAX);
-        self.first.saturating_mul(factor).min(self.max)
+        let growths = nth.saturating_sub(1).min(1_000);
+        let factor = self.multiplier.powi(growths as i32);
+        Duration::try_from_secs_f64(self.first.as_secs_f64() * factor)
+            .unwrap_or(self.max)
+            .min(self.max)
     }
+}
+
+/// `wait` cut by a random share of at most `jitter` (0: exact; 0.2: 80 to 100 % of it), so
+/// clients that failed together do not come back together.
+pub fn jittered(wait: Duration, jitter: f64) -> Duration {
+    let jitter = jitter.clamp(0.0, 1.0);
+    if jitter == 0.0 {
+        return wait;
+    }
+    wait.mul_f64(1.0 - rand::rng().random_range(0.0..jitter))
 }
 
 /// A [`Schedule`] walked one wait at a time, each wait jittered (uniform in its upper half)

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use idem_e2e::{TestEnv, free_port, http_exchange, wait_for};
+use idem_e2e::{TestEnv, free_port, http_exchange, http_request, wait_for};
 use idem_host::config::Config;
 use idem_host::telemetry::metrics::{Metrics, OutboxSample, SourceSample};
 
@@ -245,21 +245,44 @@ impl Prometheus {
     }
 }
 
-/// Debian's Prometheus scrapes a host (OpenMetrics text) with the shipped rules loaded: the
-/// sampled gauges arrive without anyone opening the console, every rule evaluates without
-/// error, and three messages the plugin refuses make `IdemDeadLettersGrowing` fire for their
-/// pipeline.
+/// Debian's Prometheus scrapes a host (OpenMetrics text) with the shipped rules loaded, on
+/// the metrics listener (`[http] metrics_listen`, all interfaces, no token) while the admin
+/// API wants its token: the sampled gauges arrive without anyone opening the console, every
+/// rule evaluates without error, and three messages the plugin refuses make
+/// `IdemDeadLettersGrowing` fire for their pipeline. The metrics listener serves the probes
+/// and nothing of the admin API or the console.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_prometheus_scrapes_a_host_and_fires_on_dead_letters() {
     let env = TestEnv::new("alerting").await;
-    let port = free_port();
+    let (port, metrics_port) = (free_port(), free_port());
+    let token = "a".repeat(32);
     let text = format!(
-        "{}\n[http]\nlisten = \"127.0.0.1:{port}\"\nconsole = false\n",
+        "{}\n[http]\nlisten = \"127.0.0.1:{port}\"\nadmin_token = \"{token}\"\nmetrics_listen = \"0.0.0.0:{metrics_port}\"\n",
         env.config_text("chaos", "max_attempts = 1")
     );
     let config = Config::from_toml(Path::new("/tmp/idem-alerting.toml"), &text).expect("config");
     let host = env.start_host(config);
-    let prometheus = Prometheus::start(&env.database, port);
+    wait_for("the host ready", Duration::from_secs(60), || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", metrics_port))
+            .await
+            .is_ok()
+            && http_request(metrics_port, "GET", "/readyz", None).await.0 == 200
+    })
+    .await;
+    assert_eq!(
+        http_request(metrics_port, "GET", "/healthz", None).await.0,
+        200
+    );
+    for path in ["/admin/status", "/"] {
+        let (status, body) = http_request(metrics_port, "GET", path, None).await;
+        assert_eq!(status, 404, "{path} on the metrics listener: {body}");
+    }
+    assert_eq!(
+        http_request(port, "GET", "/admin/status", None).await.0,
+        401
+    );
+    assert_eq!(http_request(port, "GET", "/metrics", None).await.0, 200);
+    let prometheus = Prometheus::start(&env.database, metrics_port);
     wait_for("the host scraped", Duration::from_secs(60), || async {
         prometheus
             .query("up{job=\"idem\"} == 1")

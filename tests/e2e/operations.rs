@@ -293,7 +293,7 @@ async fn try_and_check_report_clearly() {
         .output()
         .expect("idem check");
     let report = String::from_utf8_lossy(&checked.stdout);
-    assert_eq!(checked.status.code(), Some(1), "{report}");
+    assert_eq!(checked.status.code(), Some(5), "{report}");
     assert!(report.contains("missing.wasm"), "{report}");
     assert!(
         report.contains("record_ledger") && report.contains("no_such_table"),

@@ -9,7 +9,12 @@ use std::time::Duration;
 use axum::http::HeaderMap;
 
 use idem_e2e::otlp::{OtlpReceiver, ReceivedSpan, Transport};
-use idem_e2e::{TestEnv, order, publish_with_headers, recording_destination, spawn_idem, wait_for};
+use std::process::{Command, Stdio};
+
+use idem_e2e::{
+    IdemProcess, TestEnv, idem_binary, order, publish_with_headers, recording_destination,
+    spawn_idem, wait_for,
+};
 
 const CONSUMER: i32 = 5;
 const PRODUCER: i32 = 4;
@@ -88,6 +93,13 @@ fn check_links(spans: &[ReceivedSpan], delivered: &BTreeMap<String, (String, Str
     assert_eq!(message.service, "idem-traces-test");
     assert_eq!(message.attribute("pipeline"), Some("receipts"));
     assert_eq!(message.attribute("messaging.system"), Some("rabbitmq"));
+    assert_eq!(
+        message.attribute("messaging.operation.type"),
+        Some("process")
+    );
+    // A RabbitMQ queue has no consumer group.
+    assert_eq!(message.attribute("messaging.consumer.group.name"), None);
+    assert_eq!(delivery.attribute("messaging.operation.type"), Some("send"));
     assert_eq!(message.attribute("idem.outcome"), Some("applied"));
     assert!(
         message
@@ -139,7 +151,8 @@ fn check_links(spans: &[ReceivedSpan], delivered: &BTreeMap<String, (String, Str
 }
 
 /// gRPC, turned on by `OTEL_EXPORTER_OTLP_ENDPOINT` and `OTEL_EXPORTER_OTLP_PROTOCOL`; an
-/// HTTP destination.
+/// HTTP destination. The host logs JSON: a message's log line carries its trace and span ids
+/// at the top level, the ids of the exported span.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trace_runs_from_the_producer_through_idem_to_an_http_delivery_over_grpc() {
     let env = TestEnv::new("traces_grpc").await;
@@ -157,14 +170,21 @@ async fn a_trace_runs_from_the_producer_through_idem_to_an_http_delivery_over_gr
     )
     .expect("write config");
     let endpoint = receiver.endpoint();
-    let host = spawn_idem(
-        &config,
-        &[
-            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
-            ("OTEL_EXPORTER_OTLP_PROTOCOL", Transport::Grpc.protocol()),
-            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
-            ("OTEL_SERVICE_NAME", "idem-traces-test"),
-        ],
+    let log = std::env::temp_dir().join(format!("{}.log", env.database));
+    let host = IdemProcess::spawn(
+        Command::new(idem_binary())
+            .args(["run", "--config"])
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .envs([
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", Transport::Grpc.protocol()),
+                ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+                ("OTEL_SERVICE_NAME", "idem-traces-test"),
+                ("IDEM_LOG_FORMAT", "json"),
+                ("RUST_LOG", "idem_host=debug,warn"),
+            ]),
     );
     publish_orders(&env).await;
     wait_for("4 receipts delivered", Duration::from_secs(60), || async {
@@ -192,7 +212,19 @@ async fn a_trace_runs_from_the_producer_through_idem_to_an_http_delivery_over_gr
             ))
         })
         .collect();
-    check_links(&receiver.spans(), &delivered);
+    let spans = receiver.spans();
+    check_links(&spans, &delivered);
+    let (message, _) = spans_of(&spans, "receipt:1");
+    let logged = std::fs::read_to_string(&log).expect("the host's log");
+    let applied: serde_json::Value = logged
+        .lines()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).expect("a JSON line"))
+        .find(|line| line["message"] == "Applied." && line["key"] == "receipt:1")
+        .unwrap_or_else(|| panic!("no \"Applied.\" line for receipt:1: {logged}"));
+    assert_eq!(applied["trace_id"], SAMPLED.trace_id, "{applied}");
+    assert_eq!(applied["span_id"], message.span_id.as_str(), "{applied}");
+    assert_eq!(applied["pipeline"], "receipts", "{applied}");
+    let _ = std::fs::remove_file(log);
     env.cleanup().await;
 }
 

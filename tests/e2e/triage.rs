@@ -30,7 +30,7 @@ fn idem_refused(config: &Path, args: &[&str]) -> String {
 
 /// The dead letters `idem dlq list --json` shows with `filter`, in order.
 fn listed(config: &Path, filter: &[&str]) -> Vec<serde_json::Value> {
-    let mut args = vec!["dlq", "list", "--json"];
+    let mut args = vec!["dlq", "list", "--format", "json"];
     args.extend_from_slice(filter);
     let output = Command::new(idem_binary())
         .args(&args)

@@ -188,6 +188,16 @@ fn kill9(mut process: IdemProcess) {
     let _ = process.wait();
 }
 
+/// Restarts the broker's application (as an upgrade would); its durable queues stay.
+fn restart_rabbitmq() {
+    let restarted = Command::new("rabbitmqctl")
+        .arg("stop_app")
+        .status()
+        .and_then(|_| Command::new("rabbitmqctl").arg("start_app").status())
+        .expect("rabbitmqctl");
+    assert!(restarted.success(), "broker restart");
+}
+
 async fn random_pause(low_ms: u64, high_ms: u64) {
     let pause = { rand::rng().random_range(low_ms..high_ms) };
     tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -392,12 +402,7 @@ async fn rabbitmq_connections_closed_and_broker_restarted() {
 
     // The broker restarts (its application, as an upgrade would): the host reconnects and
     // resumes by itself, and later messages are applied.
-    let restarted = Command::new("rabbitmqctl")
-        .arg("stop_app")
-        .status()
-        .and_then(|_| Command::new("rabbitmqctl").arg("start_app").status())
-        .expect("rabbitmqctl");
-    assert!(restarted.success(), "broker restart");
+    restart_rabbitmq();
     let more = publish_orders(env.queue.clone(), orders + 1, 200, 0.2).await;
     published.orders.extend(more.orders);
     published.deliveries += more.deliveries;
@@ -411,6 +416,49 @@ async fn rabbitmq_connections_closed_and_broker_restarted() {
     wait_settled(&env, &published, Duration::from_secs(120)).await;
     stop(host);
     check(&env, "RabbitMQ faults", &published, closed + 2).await;
+    env.cleanup().await;
+}
+
+/// A retry waiting in its delay queue when the broker restarts is kept (a durable quorum
+/// queue) and comes back for its next try after the restart: with `max_attempts = 2` that
+/// try dead-letters it, carrying attempt 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_waiting_in_its_delay_queue_survives_a_broker_restart() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("fault_retry_restart").await;
+    let text = env.config_text(
+        "chaos",
+        "max_attempts = 2\n\n[pipelines.loyalty.retry]\ninitial = \"10s\"\njitter = 0.0\n",
+    );
+    let config = std::env::temp_dir().join(format!("{}.toml", env.database));
+    std::fs::write(&config, text).expect("write config");
+    let host = spawn_idem(&config, &[]);
+    // 10 s lands on the grid's 10,842 ms step (100 ms × 1.25^21).
+    let delay_queue = format!("{}.idem-delay.10842ms", env.queue);
+    env.publish(br#"{"action": "retry"}"#).await;
+    wait_for(
+        "the retry in its delay queue",
+        Duration::from_secs(30),
+        || async { idem_e2e::queue_waiting(&delay_queue).await == Some(1) },
+    )
+    .await;
+    restart_rabbitmq();
+    wait_for(
+        "the second try's dead letter",
+        Duration::from_secs(90),
+        || async { idem_e2e::queue_waiting(&env.dead_letter_queue).await == Some(1) },
+    )
+    .await;
+    stop(host);
+    let dead = env.drain(&env.dead_letter_queue).await;
+    let attempt = dead[0]
+        .1
+        .iter()
+        .find(|(name, _)| name == "x-idem-attempt")
+        .map(|(_, value)| value.clone());
+    assert_eq!(attempt.as_deref(), Some("2"), "{dead:?}");
+    env.channel_queue_delete(&delay_queue).await;
+    let _ = std::fs::remove_file(config);
     env.cleanup().await;
 }
 

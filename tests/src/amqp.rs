@@ -123,6 +123,14 @@ pub async fn publish_with_headers(
 }
 
 pub async fn queue_ready(channel: &Channel, queue: &str) -> u32 {
+    inspect(channel, queue)
+        .await
+        .expect("queue exists")
+        .message_count()
+}
+
+/// `queue` as a passive declare finds it.
+async fn inspect(channel: &Channel, queue: &str) -> Result<lapin::Queue, lapin::Error> {
     channel
         .queue_declare(
             ShortString::from(queue),
@@ -133,8 +141,14 @@ pub async fn queue_ready(channel: &Channel, queue: &str) -> u32 {
             FieldTable::default(),
         )
         .await
-        .expect("queue exists")
-        .message_count()
+}
+
+/// The messages `queue` holds, if it exists (asked on a connection of its own: a passive
+/// declare of a missing queue closes its channel).
+pub async fn queue_waiting(queue: &str) -> Option<u32> {
+    let (_connection, channel) = connect_channel().await;
+    let found = inspect(&channel, queue).await;
+    found.ok().map(|queue| queue.message_count())
 }
 
 /// Deliveries of `queue` that a consumer holds unacked, from `rabbitmqctl` (AMQP cannot tell).

@@ -112,6 +112,12 @@ pub fn must_refuse(command: &str, config: &Path) -> String {
 
 /// [`must_refuse`] with extra environment variables.
 pub fn must_refuse_with(command: &str, config: &Path, env: &[(&str, &str)]) -> String {
+    refusal(command, config, env).1
+}
+
+/// Runs `idem <command> --config <file>`, which must exit non-zero within 10 s; returns its
+/// exit status and output.
+fn refusal(command: &str, config: &Path, env: &[(&str, &str)]) -> (i32, String) {
     let started = Instant::now();
     let mut child = Command::new(idem_binary())
         .args([command, "--config"])
@@ -138,15 +144,17 @@ pub fn must_refuse_with(command: &str, config: &Path, env: &[(&str, &str)]) -> S
     }
     let output = child.wait_with_output().expect("output");
     assert!(!output.status.success(), "idem {command} exited 0");
-    said(&output)
+    (output.status.code().unwrap_or(-1), said(&output))
 }
 
 /// `idem run` and `idem check` with `config` both exit non-zero within 10 s, their output
-/// naming `setting`: a fault no retry fixes (`case` says which, in the messages).
+/// naming `setting`: a fault no retry fixes (`case` says which, in the messages). `idem run`
+/// exits 3 (the configuration is wrong), `idem check` 5 (it found a problem).
 pub fn run_and_check_refuse(config: &Path, setting: &str, case: &str) {
-    for command in ["run", "check"] {
-        let output = must_refuse(command, config);
+    for (command, status) in [("run", 3), ("check", 5)] {
+        let (code, output) = refusal(command, config, &[]);
         assert!(output.contains(setting), "{case}: idem {command}: {output}");
+        assert_eq!(code, status, "{case}: idem {command} exit status: {output}");
         eprintln!("{case}: idem {command}: {}", output.trim());
     }
 }

@@ -1,4 +1,5 @@
-//! The `[http]` table: the endpoint for metrics, health, the admin API and the console.
+//! The `[http]` table: the endpoint for metrics, health, the admin API and the console, and
+//! a listener for metrics and health alone.
 
 use std::net::SocketAddr;
 
@@ -29,6 +30,12 @@ pub struct HttpConfig {
     /// Serve the operator console at `/` (default `true`): pipelines, dead letters, outbox.
     #[serde(default = "default_console")]
     pub console: bool,
+    /// A second address serving only `/metrics`, `/healthz` and `/readyz` (never behind the
+    /// admin token, on any address): for a Prometheus scrape and a kubelet's probes from the
+    /// network while `listen` and the admin API stay on loopback. None by default.
+    #[serde(default)]
+    #[schemars(with = "Option<String>")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl HttpConfig {
@@ -64,12 +71,22 @@ impl HttpConfig {
                 format!("{bad:?} is not a host name (no scheme, port or path: \"idem.internal\")"),
             ));
         }
+        if http.metrics_listen == Some(http.listen) {
+            return Err(document.at(
+                Some(span),
+                "http.metrics_listen",
+                format!(
+                    "{} is http.listen too: give the metrics listener an address (or port) of its own, or leave it out (listen serves /metrics as well)",
+                    http.listen
+                ),
+            ));
+        }
         if !http.listen.ip().is_loopback() && http.admin_token.is_none() {
             return Err(document.at(
                 Some(span),
                 "http.admin_token",
                 format!(
-                    "required when http.listen ({}) is not a loopback address",
+                    "required when http.listen ({}) is not a loopback address (to serve only /metrics, /healthz and /readyz beyond loopback, keep listen on loopback and set http.metrics_listen, which needs no token)",
                     http.listen
                 ),
             ));

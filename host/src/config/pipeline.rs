@@ -13,6 +13,7 @@ use toml::Spanned;
 use super::ConfigError;
 use super::database::DatabaseConfig;
 use super::outbox::OutboxConfig;
+use super::retry::RetryConfig;
 use super::source::rabbitmq::{AmqpConfig, QueueArgument, QueueType, RabbitMqKeys};
 use super::source::{self, RawSource, SourceConfig};
 use super::statements;
@@ -48,6 +49,8 @@ pub struct PipelineConfig {
     pub batch: BatchConfig,
     /// How many times a message is tried when the plugin says its failure is retryable.
     pub max_attempts: NonZeroU32,
+    /// How long it waits between those tries.
+    pub retry: RetryConfig,
     pub limits: PluginLimits,
     pub retention: RetentionConfig,
     /// A message body file every new plugin build must handle (decision or skip, effects
@@ -282,6 +285,9 @@ pub(super) struct RawPipeline {
     /// Tries of a message whose plugin failure is `retryable` (default 5).
     #[serde(default = "default_max_attempts")]
     max_attempts: NonZeroU32,
+    /// The waits between those tries.
+    #[schemars(with = "Option<RetryConfig>")]
+    retry: Option<Spanned<RetryConfig>>,
     /// What one plugin call may consume.
     #[serde(default)]
     limits: PluginLimits,
@@ -342,7 +348,9 @@ impl RawPipeline {
                 ),
             ));
         }
+        let retry = RetryConfig::checked(self.retry, &table)?;
         Ok(PipelineConfig {
+            retry,
             database: self.database.map(Spanned::into_inner),
             consumer: self.consumer.unwrap_or_else(|| name.clone()),
             plugin: document.resolve(&self.plugin),

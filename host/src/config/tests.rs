@@ -354,6 +354,30 @@ fn errors_name_line_and_key() {
         &["line 15", "http.admin_token", "at least 32 characters"],
     );
     check_error(
+        &format!(
+            "{VALID}\n[http]\nlisten = \"127.0.0.1:9464\"\nmetrics_listen = \"127.0.0.1:9464\"\n"
+        ),
+        &[
+            "line 15",
+            "http.metrics_listen",
+            "an address (or port) of its own",
+        ],
+    );
+    for (retry, key) in [
+        ("initial = \"0s\"", "pipelines.loyalty.retry.initial"),
+        (
+            "initial = \"10s\"\nmax = \"1s\"",
+            "pipelines.loyalty.retry.max",
+        ),
+        ("multiplier = 0.5", "pipelines.loyalty.retry.multiplier"),
+        ("jitter = 1.5", "pipelines.loyalty.retry.jitter"),
+    ] {
+        check_error(
+            &format!("{VALID}\n[pipelines.loyalty.retry]\n{retry}\n"),
+            &["line 15", key],
+        );
+    }
+    check_error(
         &format!("{VALID}\n[http]\nhosts = [\"idem.internal:9464\"]\n"),
         &["line 15", "http.hosts", "not a host name"],
     );
@@ -377,6 +401,21 @@ fn errors_name_line_and_key() {
 }
 
 /// `[traces]`: absent is off; the endpoint and protocol as written.
+/// The metrics listener may face the network without a token while `listen` stays on
+/// loopback.
+#[test]
+fn a_metrics_listener_needs_no_token() {
+    let text = format!("{VALID}\n[http]\nmetrics_listen = \"0.0.0.0:9465\"\n");
+    let config = Config::from_toml(Path::new("p.toml"), &text).expect("config");
+    let http = config.http.expect("[http]");
+    assert_eq!(
+        http.metrics_listen,
+        Some("0.0.0.0:9465".parse().expect("address"))
+    );
+    assert!(http.listen.ip().is_loopback());
+    assert_eq!(http.admin_token, None);
+}
+
 #[test]
 fn a_traces_table() {
     let config = Config::from_toml(Path::new("/etc/idem/pipelines.toml"), VALID).expect("valid");

@@ -1,4 +1,5 @@
-//! The HTTP endpoint: `/metrics`, `/healthz`, `/readyz`, and the admin API.
+//! The HTTP endpoint: `/metrics`, `/healthz`, `/readyz` (`probes`, which need no token and
+//! may have a listener of their own), and the admin API.
 //!
 //! `/admin/status` lists pipelines with their plugin build; `POST /admin/reload/{pipeline}`
 //! hot-swaps a plugin; `POST /admin/pipelines/{pipeline}/pause|resume` pauses and resumes
@@ -17,11 +18,12 @@
 
 mod console;
 mod history;
+mod probes;
 pub mod sampler;
 mod triage;
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use axum::extract::{Path, Request, State};
 use axum::http::{StatusCode, header};
@@ -76,7 +78,7 @@ pub struct HttpError {
     source: std::io::Error,
 }
 
-/// Binds the listener now (so a taken port fails start-up) and serves until `shutdown`.
+/// Binds the listeners now (so a taken port fails start-up) and serves until `shutdown`.
 pub async fn serve(
     config: &HttpConfig,
     pipelines: Vec<Arc<Pipeline>>,
@@ -84,12 +86,11 @@ pub async fn serve(
     databases: Databases,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, HttpError> {
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .map_err(|source| HttpError {
-            address: config.listen,
-            source,
-        })?;
+    let listener = probes::bind(config.listen).await?;
+    let probes_listener = match config.metrics_listen {
+        Some(address) => Some(probes::bind(address).await?),
+        None => None,
+    };
     let pipelines = Arc::new(pipelines);
     let sampled = sampler::spawn(
         Arc::clone(&pipelines),
@@ -111,6 +112,8 @@ pub async fn serve(
         admin_token: config.admin_token.as_deref().map(Arc::from),
         hosts: Arc::from(config.hosts.as_slice()),
     };
+    let probes =
+        probes_listener.map(|listener| probes::serve(listener, state.clone(), shutdown.clone()));
     let app = routes(state, config.console);
     let address = listener.local_addr().unwrap_or(config.listen);
     if config.console {
@@ -124,6 +127,9 @@ pub async fn serve(
             .await;
         if let Err(error) = served {
             warn!(%error, "HTTP endpoint stopped.");
+        }
+        if let Some(probes) = probes {
+            let _ = probes.await;
         }
     }))
 }
@@ -159,12 +165,7 @@ fn routes(state: AppState, console: bool) -> Router {
         )
         .route("/admin/outbox/retry", post(triage::outbox_retry))
         .route_layer(middleware::from_fn_with_state(state.clone(), guard_action));
-    let mut app = Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(ready))
-        .route("/metrics", get(metrics_text))
-        .merge(reads)
-        .merge(actions);
+    let mut app = probes::routes().merge(reads).merge(actions);
     if console {
         app = app.merge(console::routes());
     }
@@ -307,65 +308,6 @@ fn same_secret(presented: &str, expected: &str) -> bool {
         difference |= expected_byte ^ presented.get(index).copied().unwrap_or(!expected_byte);
     }
     difference == 0
-}
-
-async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        state.metrics.encode(),
-    )
-}
-
-/// Ready when every database answers and every pipeline is subscribed to its queue, but for
-/// those an operator paused.
-async fn ready(State(state): State<AppState>) -> impl IntoResponse {
-    let mut problems = Vec::new();
-    for (name, database) in state.databases.iter() {
-        let answer = tokio::time::timeout(
-            Duration::from_secs(2),
-            sqlx::raw_sql("SELECT 1").execute(&database.pool),
-        )
-        .await;
-        let label = match name {
-            Some(name) => format!("database {name:?}"),
-            None => "database".to_string(),
-        };
-        match answer {
-            Ok(Ok(_)) => {}
-            Ok(Err(error)) => problems.push(format!("{label}: {error}")),
-            Err(_) => problems.push(format!("{label}: no answer within 2 s")),
-        }
-    }
-    for pipeline in state.pipelines.iter() {
-        if let Some(paused) = pipeline.paused() {
-            problems.push(format!("pipeline {:?}: {paused}", pipeline.name()));
-        }
-        // An operator's pause is intended: the host is ready (a rolling deploy goes on while a
-        // pipeline is paused); `/admin/status` and `idem_pipeline_operator_paused` show it.
-        if pipeline.operator_pause().is_some() {
-            continue;
-        }
-        if !pipeline.is_consuming() {
-            problems.push(format!(
-                "pipeline {:?}: not consuming {:?}",
-                pipeline.name(),
-                pipeline.config().queue()
-            ));
-        } else if let Some(problem) = pipeline.source_problem() {
-            problems.push(format!("pipeline {:?}: {problem}", pipeline.name()));
-        }
-    }
-    if problems.is_empty() {
-        (StatusCode::OK, Json(json!({ "ready": true })))
-    } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "ready": false, "problems": problems })),
-        )
-    }
 }
 
 async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {

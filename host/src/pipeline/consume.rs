@@ -14,7 +14,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::backoff::{Backoff, Schedule};
+use crate::backoff::Backoff;
 use crate::failpoint::Failpoint;
 use crate::message::InboundMessage;
 use crate::pipeline::Pipeline;
@@ -415,7 +415,7 @@ async fn tell_broker(
             delivery.dead_letter(error_kind, &reason).await
         }
         Disposition::Retry { attempt, reason } => {
-            let delay = retry_delay(attempt);
+            let delay = pipeline.config.retry.delay(attempt);
             debug!(pipeline = %name, attempt, %reason, delay_ms = delay.as_millis() as u64, "Plugin asked for a retry.");
             delivery.retry(attempt, delay).await
         }
@@ -423,26 +423,9 @@ async fn tell_broker(
     }
 }
 
-/// The waits before a message's retryable failure is tried again: 200 ms before its second
-/// try, doubling per try, at most 10 s.
-const RETRIES: Schedule = Schedule::new(Duration::from_millis(200), Duration::from_secs(10));
-
-/// The wait before try `attempt` (2 for the first retry).
-fn retry_delay(attempt: u32) -> Duration {
-    RETRIES.delay(attempt.saturating_sub(1))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn retries_wait_longer_each_time_up_to_ten_seconds() {
-        let waits: Vec<u128> = (2..=9)
-            .map(|attempt| retry_delay(attempt).as_millis())
-            .collect();
-        assert_eq!(waits, [200, 400, 800, 1_600, 3_200, 6_400, 10_000, 10_000]);
-    }
 
     /// Four workers limited to two batches take four single messages at once, but only two
     /// batches: a third batch waits until one of them settles.

@@ -39,10 +39,10 @@ impl Disposition {
         }
     }
 
-    /// Why the message failed, when it is dead-lettered.
-    pub(super) fn error(&self) -> Option<&str> {
+    /// Why the message failed, when it is dead-lettered: its error kind and reason.
+    pub(super) fn error(&self) -> Option<(&'static str, &str)> {
         match self {
-            Disposition::DeadLetter { reason, .. } => Some(reason),
+            Disposition::DeadLetter { error_kind, reason } => Some((error_kind, reason)),
             _ => None,
         }
     }

@@ -28,7 +28,8 @@ pub async fn handle_delivery(
     attempt: u32,
     shutdown: &CancellationToken,
 ) -> Disposition {
-    let traced = MessageSpan::start(pipeline.name(), message, attempt);
+    let group = pipeline.config.source.consumer_group();
+    let traced = MessageSpan::start(pipeline.name(), group, message, attempt);
     let disposition = async {
         let (decision, plugin) = match decide(pipeline, message, attempt).await {
             Decided::Done(disposition) => return disposition,
@@ -79,7 +80,7 @@ async fn apply_one(
                         .is_ok_and(|outcome| plan.ran(statement, *outcome))
                 });
                 let disposition = disposition_of(finished);
-                after_commit(pipeline, &disposition, plan);
+                after_commit(pipeline, &disposition, plan, traced);
                 return disposition;
             }
         }
@@ -99,9 +100,10 @@ pub async fn handle_batch(
         pipeline = %pipeline.config.name,
         messages = messages.len(),
     );
+    let group = pipeline.config.source.consumer_group();
     let traced: Vec<MessageSpan> = messages
         .iter()
-        .map(|(message, attempt)| MessageSpan::start(pipeline.name(), message, *attempt))
+        .map(|(message, attempt)| MessageSpan::start(pipeline.name(), group, message, *attempt))
         .collect();
     let dispositions = async {
         let mut decided = Vec::with_capacity(messages.len());
@@ -135,7 +137,7 @@ pub async fn handle_batch(
                 Ok(Some(items)) => {
                     for ((index, plan), item) in planned.iter().zip(items) {
                         let disposition = disposition_of(item);
-                        after_commit(pipeline, &disposition, plan);
+                        after_commit(pipeline, &disposition, plan, &traced[*index]);
                         dispositions[*index] = Some(disposition);
                     }
                 }
@@ -345,8 +347,15 @@ fn retry_or_give_up(attempt: u32, max_attempts: u32, reason: String) -> Disposit
     }
 }
 
-/// After a commit: the crash point for tests, and a nudge to the outbox relay.
-fn after_commit(pipeline: &Pipeline, disposition: &Disposition, plan: &Plan<'_>) {
+/// After a commit: the crash point for tests, a nudge to the outbox relay, and the log line.
+fn after_commit(
+    pipeline: &Pipeline,
+    disposition: &Disposition,
+    plan: &Plan<'_>,
+    traced: &MessageSpan,
+) {
+    // In the message's own span (a batch's too), so its log line carries its trace id.
+    let _entered = traced.span().enter();
     if *disposition == Disposition::Ack(Settled::Applied) {
         Failpoint::AfterCommit.hit();
         if !plan.outbox.is_empty() {

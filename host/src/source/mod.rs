@@ -99,12 +99,27 @@ pub fn for_kind<T: ForKind>(pipeline: &PipelineConfig, task: T) -> T::Output {
     }
 }
 
-/// One thing `idem check` found about the sources: fine, or a problem to fix before
-/// `idem run`.
+/// One thing `idem check` found about the sources: fine, a problem to fix before `idem run`,
+/// or a broker out of reach (which `idem run` would wait for).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Finding {
     Ok(String),
     Problem(String),
+    Unreachable(String),
+}
+
+impl Finding {
+    /// A look that failed with `error`, said after `prefix`: a problem when the broker
+    /// refused a setting, else an outage.
+    fn failed(prefix: &str, error: impl Into<SourceError>) -> Finding {
+        let error = error.into();
+        let text = format!("{prefix}{error}");
+        if error.is_refused() {
+            Finding::Problem(text)
+        } else {
+            Finding::Unreachable(text)
+        }
+    }
 }
 
 /// Connects to every broker `config` uses as `idem run` would (the pipelines' and the AMQP
@@ -150,7 +165,46 @@ pub async fn check(config: &Config) -> Vec<Finding> {
 pub struct StatusLine {
     pub label: &'static str,
     pub name: String,
+    /// What it holds, in words, or why that is unknown.
     pub state: String,
+    /// The same as numbers (`ready`, `consumers`, …), for `idem status --format json`.
+    pub figures: Vec<(&'static str, u64)>,
+    /// Why the broker could not say; `None` when it did.
+    pub error: Option<String>,
+    /// Whether `error` is the broker refusing a setting (else it was out of reach).
+    pub refused: bool,
+}
+
+impl StatusLine {
+    /// What `name` holds, as the broker said it.
+    fn known(
+        label: &'static str,
+        name: String,
+        state: String,
+        figures: Vec<(&'static str, u64)>,
+    ) -> StatusLine {
+        StatusLine {
+            label,
+            name,
+            state,
+            figures,
+            error: None,
+            refused: false,
+        }
+    }
+
+    /// What `name` holds is unknown: its broker failed with `error`.
+    fn unknown(label: &'static str, name: String, error: impl Into<SourceError>) -> StatusLine {
+        let error = error.into();
+        StatusLine {
+            label,
+            name,
+            state: format!("unknown ({error})"),
+            figures: Vec::new(),
+            refused: error.is_refused(),
+            error: Some(error.to_string()),
+        }
+    }
 }
 
 /// What `pipeline`'s source holds now, as `idem status` shows it.

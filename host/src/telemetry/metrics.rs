@@ -67,6 +67,14 @@ struct DestinationLabels {
     result: &'static str,
 }
 
+/// `idem_build_info`'s labels: what this binary is.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    /// The plugin contracts it runs, newest first: "0.3.0,0.2.0".
+    contracts: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PipelineLabels {
     pipeline: String,
@@ -170,6 +178,7 @@ impl Metrics {
             Family::default(),
         );
         let sampled = Sampled::register(&mut registry);
+        register_build_info(&mut registry);
         Metrics {
             registry,
             batch_size,
@@ -330,6 +339,23 @@ fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str
 /// A per-pipeline latency histogram family.
 fn latency_family() -> Family<PipelineLabels, Histogram> {
     Family::new_with_constructor(latency_histogram as fn() -> Histogram)
+}
+
+/// `idem_build_info`: 1, with the version and plugin contracts as labels (the convention of
+/// `<program>_build_info`, to join on or alert when hosts run different builds).
+fn register_build_info(registry: &mut Registry) {
+    let build_info = registered(
+        registry,
+        "build_info",
+        "1, labelled with this binary's version and the plugin contracts it runs",
+        Family::<BuildLabels, Gauge>::default(),
+    );
+    build_info
+        .get_or_create(&BuildLabels {
+            version: env!("CARGO_PKG_VERSION"),
+            contracts: crate::sandbox::contract::SPOKEN.join(","),
+        })
+        .set(1);
 }
 
 /// The two pause gauges: a configuration fault's, an operator's.
@@ -567,5 +593,22 @@ impl Metrics {
 fn pipeline_labels(pipeline: &str) -> PipelineLabels {
     PipelineLabels {
         pipeline: pipeline.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A scrape names the build before any message moved.
+    #[test]
+    fn the_build_is_exported() {
+        let text = Metrics::new().encode();
+        let line = format!(
+            "idem_build_info{{version=\"{}\",contracts=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION"),
+            crate::sandbox::contract::SPOKEN.join(",")
+        );
+        assert!(text.contains(&line), "{text}");
     }
 }

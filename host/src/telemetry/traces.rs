@@ -166,9 +166,15 @@ pub struct MessageSpan {
 }
 
 impl MessageSpan {
-    /// The span's log fields are few (name, pipeline, key, outcome); the semantic attributes
-    /// go to the exported span only.
-    pub fn start(pipeline: &str, message: &InboundMessage, attempt: u32) -> MessageSpan {
+    /// The span's log fields are few (name, pipeline, trace and span ids, key, outcome); the
+    /// semantic attributes go to the exported span only. `group`: the consumer group the
+    /// pipeline reads in (a Kafka group, a JetStream consumer; none on RabbitMQ).
+    pub fn start(
+        pipeline: &str,
+        group: Option<&str>,
+        message: &InboundMessage,
+        attempt: u32,
+    ) -> MessageSpan {
         let span = tracing::info_span!(
             parent: None,
             "message",
@@ -177,6 +183,8 @@ impl MessageSpan {
             otel.status_code = field::Empty,
             otel.status_message = field::Empty,
             pipeline,
+            trace_id = field::Empty,
+            span_id = field::Empty,
             idem.key = field::Empty,
             idem.outcome = field::Empty,
         );
@@ -184,11 +192,16 @@ impl MessageSpan {
         adopt(&span, received.as_ref());
         span.set_attribute("messaging.system", message.source.clone());
         span.set_attribute("messaging.operation.name", "process");
+        span.set_attribute("messaging.operation.type", "process");
         span.set_attribute("messaging.destination.name", message.queue.clone());
+        if let Some(group) = group {
+            span.set_attribute("messaging.consumer.group.name", group.to_string());
+        }
         if let Some(id) = &message.message_id {
             span.set_attribute("messaging.message.id", id.clone());
         }
         span.set_attribute("idem.attempt", i64::from(attempt));
+        record_ids(&span, received.as_ref());
         MessageSpan { span, received }
     }
 
@@ -212,11 +225,12 @@ impl MessageSpan {
             .set_attribute("idem.transaction.tries", i64::from(tries));
     }
 
-    /// How the message ended; `error` for a dead letter's reason.
-    pub fn ended(&self, outcome: &str, error: Option<&str>) {
+    /// How the message ended; `error` for a dead letter's error kind and reason.
+    pub fn ended(&self, outcome: &str, error: Option<(&'static str, &str)>) {
         self.span.record("idem.outcome", outcome);
-        if let Some(error) = error {
-            failed(&self.span, error);
+        if let Some((kind, reason)) = error {
+            self.span.set_attribute("error.type", kind);
+            failed(&self.span, reason);
         }
     }
 
@@ -243,14 +257,35 @@ pub fn delivery_span(
         otel.status_code = field::Empty,
         otel.status_message = field::Empty,
         destination,
+        trace_id = field::Empty,
+        span_id = field::Empty,
     );
     adopt(&span, written);
     span.set_attribute("messaging.operation.name", "send");
+    span.set_attribute("messaging.operation.type", "send");
     span.set_attribute("idem.outbox.id", row);
     span.set_attribute("idem.outbox.key", key.to_string());
     span.set_attribute("idem.outbox.attempt", i64::from(attempt));
     let sent = handed_on(&span, written);
+    record_ids(&span, written);
     (span, sent)
+}
+
+/// Records the span's `trace_id` and `span_id` for its log lines: its own when traces are
+/// exported, else the trace it was received in (no span id: it has none of its own).
+fn record_ids(span: &Span, received: Option<&TraceContext>) {
+    let context = span.context();
+    let own = context.span().span_context().clone();
+    if own.is_valid() {
+        span.record("trace_id", field::display(own.trace_id()));
+        span.record("span_id", field::display(own.span_id()));
+    } else if let Some(received) = received {
+        let received = received.context();
+        span.record(
+            "trace_id",
+            field::display(received.span().span_context().trace_id()),
+        );
+    }
 }
 
 /// Marks `span` failed, with `error` as its status message.

@@ -1,8 +1,8 @@
 //! `idem build`: a plugin project built with its language's toolchain.
 
 use std::path::PathBuf;
-use std::process::ExitCode;
 
+use crate::exit::Exit;
 use crate::kit;
 
 /// Build the plugin project in DIR into DIR/<name>.wasm (or --output) with its language's
@@ -17,7 +17,7 @@ pub struct Args {
 }
 
 impl Args {
-    pub fn run(self) -> anyhow::Result<ExitCode> {
+    pub fn run(self) -> anyhow::Result<Exit> {
         kit::build(&self.directory, self.output.as_deref())
     }
 }

@@ -1,11 +1,10 @@
 //! `idem cleanup`: one retention pass now.
 
-use std::process::ExitCode;
-
 use idem_host::config::Config;
 use idem_host::store::tables::Tables;
 use idem_host::store::{database, retention};
 
+use crate::exit::Exit;
 use crate::lookup::ConfigArg;
 
 /// Delete claims older than each pipeline's retention window, in batches, once.
@@ -16,7 +15,7 @@ pub struct Args {
 }
 
 impl Args {
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
+    pub async fn run(self) -> anyhow::Result<Exit> {
         let config = Config::load(&self.config.config)?;
         let mut busy = false;
         for (name, database_config, prefix) in crate::lookup::each_database(&config) {
@@ -53,9 +52,9 @@ impl Args {
             pool.close().await;
         }
         Ok(if busy {
-            ExitCode::FAILURE
+            Exit::Unavailable
         } else {
-            ExitCode::SUCCESS
+            Exit::Success
         })
     }
 }

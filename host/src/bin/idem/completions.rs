@@ -1,6 +1,6 @@
 //! `idem completions`: a shell completion script.
 
-use std::process::ExitCode;
+use crate::exit::Exit;
 
 /// Print a shell completion script: `idem completions bash > /etc/bash_completion.d/idem`.
 #[derive(clap::Args)]
@@ -10,9 +10,9 @@ pub struct Args {
 }
 
 impl Args {
-    pub fn run(self) -> anyhow::Result<ExitCode> {
+    pub fn run(self) -> anyhow::Result<Exit> {
         let mut command = <crate::Cli as clap::CommandFactory>::command();
         clap_complete::generate(self.shell, &mut command, "idem", &mut std::io::stdout());
-        Ok(ExitCode::SUCCESS)
+        Ok(Exit::Success)
     }
 }

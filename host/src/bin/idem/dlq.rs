@@ -2,7 +2,6 @@
 //! selection.
 
 use std::path::Path;
-use std::process::ExitCode;
 
 use idem_host::config::{Config, PipelineConfig};
 use idem_host::source;
@@ -11,8 +10,10 @@ use idem_host::store::database;
 use idem_host::store::tables::Tables;
 use idem_host::triage::{self, ArchiveTo};
 
+use crate::exit::{Exit, UsageError};
 use crate::lookup::ConfigArg;
 use crate::lookup::pipeline_named;
+use crate::output::{FormatArg, print_json};
 use crate::table::{format_age, print_table, printable};
 
 /// Dead letters: list, show, and replay, discard or archive by error kind, reason, age or id.
@@ -23,7 +24,18 @@ pub struct Args {
 }
 
 impl Args {
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
+    /// The report's format, for the commands that have one.
+    pub fn format(&self) -> Option<FormatArg> {
+        match &self.command {
+            DlqArgs::List(args) => Some(args.format),
+            DlqArgs::Show(args) => Some(args.format),
+            DlqArgs::Replay(args) => Some(args.format),
+            DlqArgs::Discard(args) => Some(args.format),
+            DlqArgs::Archive(_) => None,
+        }
+    }
+
+    pub async fn run(self) -> anyhow::Result<Exit> {
         match self.command {
             DlqArgs::List(args) => args.run().await,
             DlqArgs::Show(args) => args.run().await,
@@ -93,16 +105,15 @@ struct ListArgs {
     target: DlqTarget,
     #[command(flatten)]
     filter: DlqFilter,
-    /// Print JSON.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    format: FormatArg,
 }
 
 impl ListArgs {
-    async fn run(self) -> anyhow::Result<ExitCode> {
+    async fn run(self) -> anyhow::Result<Exit> {
         let config = Config::load(&self.target.config.config)?;
         let pipeline = pipeline_named(&config, &self.target.pipeline)?;
-        list(pipeline, &self.filter.selection(), self.json).await
+        list(pipeline, &self.filter.selection(), self.format.is_json()).await
     }
 }
 
@@ -113,16 +124,15 @@ struct ShowArgs {
     target: DlqTarget,
     /// Its number in `idem dlq list`.
     number: u64,
-    /// Print JSON.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    format: FormatArg,
 }
 
 impl ShowArgs {
-    async fn run(self) -> anyhow::Result<ExitCode> {
+    async fn run(self) -> anyhow::Result<Exit> {
         let config = Config::load(&self.target.config.config)?;
         let pipeline = pipeline_named(&config, &self.target.pipeline)?;
-        show(pipeline, self.number, self.json).await
+        show(pipeline, self.number, self.format.is_json()).await
     }
 }
 
@@ -137,16 +147,19 @@ struct ReplayArgs {
     /// Show what would move; move nothing.
     #[arg(long)]
     dry_run: bool,
+    #[command(flatten)]
+    format: FormatArg,
 }
 
 impl ReplayArgs {
-    async fn run(self) -> anyhow::Result<ExitCode> {
+    async fn run(self) -> anyhow::Result<Exit> {
         let selection = self.filter.selection();
         replay_from(
             &self.target.config.config,
             &self.target.pipeline,
             selection,
             self.dry_run,
+            self.format,
         )
         .await
     }
@@ -166,13 +179,15 @@ struct DiscardArgs {
     /// Show what would go; remove nothing.
     #[arg(long)]
     dry_run: bool,
+    #[command(flatten)]
+    format: FormatArg,
 }
 
 impl DiscardArgs {
-    async fn run(self) -> anyhow::Result<ExitCode> {
+    async fn run(self) -> anyhow::Result<Exit> {
         let config = Config::load(&self.target.config.config)?;
         let pipeline = pipeline_named(&config, &self.target.pipeline)?;
-        discard(pipeline, self.filter, self.all, self.dry_run).await
+        discard(pipeline, self.filter, self.all, self.dry_run, self.format).await
     }
 }
 
@@ -193,7 +208,7 @@ struct ArchiveArgs {
 }
 
 impl ArchiveArgs {
-    async fn run(self) -> anyhow::Result<ExitCode> {
+    async fn run(self) -> anyhow::Result<Exit> {
         let config = Config::load(&self.target.config.config)?;
         let pipeline = pipeline_named(&config, &self.target.pipeline)?;
         let selection = self.filter.selection();
@@ -215,16 +230,18 @@ pub async fn replay_from(
     pipeline_name: &str,
     selection: Selection,
     dry_run: bool,
-) -> anyhow::Result<ExitCode> {
+    format: FormatArg,
+) -> anyhow::Result<Exit> {
     let config = Config::load(path)?;
-    replay(pipeline_named(&config, pipeline_name)?, &selection, dry_run).await
+    let pipeline = pipeline_named(&config, pipeline_name)?;
+    replay(pipeline, &selection, dry_run, format).await
 }
 
 async fn list(
     pipeline: &PipelineConfig,
     selection: &Selection,
     as_json: bool,
-) -> anyhow::Result<ExitCode> {
+) -> anyhow::Result<Exit> {
     let mut rows = Vec::new();
     let mut letters = Vec::new();
     source::pass_dead_letters(pipeline, selection, Action::Look, |letter| {
@@ -245,8 +262,8 @@ async fn list(
     })
     .await?;
     if as_json {
-        println!("{}", serde_json::to_string_pretty(&letters)?);
-        return Ok(ExitCode::SUCCESS);
+        print_json(&serde_json::Value::from(letters))?;
+        return Ok(Exit::Success);
     }
     let count = rows.len();
     print_table(&["#", "AGE", "KIND", "REASON", "BODY"], rows);
@@ -254,10 +271,10 @@ async fn list(
         "{count} dead letter(s) in {:?} match; nothing was moved",
         pipeline.dead_letter()
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(Exit::Success)
 }
 
-async fn show(pipeline: &PipelineConfig, position: u64, as_json: bool) -> anyhow::Result<ExitCode> {
+async fn show(pipeline: &PipelineConfig, position: u64, as_json: bool) -> anyhow::Result<Exit> {
     let mut found = None;
     // The messages up to the one asked for: the rest of the queue is not taken.
     let everything = Selection {
@@ -275,11 +292,11 @@ async fn show(pipeline: &PipelineConfig, position: u64, as_json: bool) -> anyhow
             "idem dlq show: {:?} holds no message #{position} (`idem dlq list` numbers them from 1, oldest first)",
             pipeline.dead_letter()
         );
-        return Ok(ExitCode::FAILURE);
+        return Ok(Exit::Findings);
     };
     if as_json {
         println!("{}", serde_json::to_string_pretty(&letter.json(true))?);
-        return Ok(ExitCode::SUCCESS);
+        return Ok(Exit::Success);
     }
     // Message content, and what the broker or a producer put in its headers, printed as
     // text that cannot drive the terminal.
@@ -310,16 +327,34 @@ async fn show(pipeline: &PipelineConfig, position: u64, as_json: bool) -> anyhow
             hex::encode(&letter.message.body)
         ),
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(Exit::Success)
 }
 
 async fn replay(
     pipeline: &PipelineConfig,
     selection: &Selection,
     dry_run: bool,
-) -> anyhow::Result<ExitCode> {
+    format: FormatArg,
+) -> anyhow::Result<Exit> {
     let verb = if dry_run { "would replay" } else { "replayed" };
-    let moved = pass_printing(pipeline, selection, Action::Replay, dry_run, verb).await?;
+    let pass = Pass {
+        pipeline,
+        action: Action::Replay,
+        dry_run,
+        json: format.is_json(),
+    };
+    let (moved, letters) = pass.run(selection, verb).await?;
+    if pass.json {
+        print_json(&serde_json::json!({
+            "pipeline": pipeline.name,
+            "from": pipeline.dead_letter(),
+            "to": pipeline.queue(),
+            "dry_run": dry_run,
+            "replayed": moved,
+            "letters": letters,
+        }))?;
+        return Ok(Exit::Success);
+    }
     println!(
         "{verb} {moved} message(s) from {:?} to {:?}{}",
         pipeline.dead_letter(),
@@ -330,32 +365,50 @@ async fn replay(
             ""
         }
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(Exit::Success)
 }
 
-/// Runs `action` (or, with `dry_run`, only looks) on the selected dead letters, printing a
-/// line for each (`<verb> #3 (kind: reason)`); how many it passed.
-async fn pass_printing(
-    pipeline: &PipelineConfig,
-    selection: &Selection,
+/// One pass of `action` (or, with `dry_run`, only a look) over a pipeline's dead letters.
+struct Pass<'a> {
+    pipeline: &'a PipelineConfig,
     action: Action,
     dry_run: bool,
-    verb: &str,
-) -> anyhow::Result<u64> {
-    let action = if dry_run { Action::Look } else { action };
-    let passed = source::pass_dead_letters(pipeline, selection, action, |letter| {
-        println!(
-            "{verb} #{} ({}: {})",
-            letter.position,
-            printable(letter.kind.as_deref().unwrap_or("-"), false),
-            printable(
-                &cut_line(letter.reason.as_deref().unwrap_or("-"), 80),
-                false
-            )
-        );
-    })
-    .await?;
-    Ok(passed)
+    /// Collect the letters as JSON instead of printing a line for each.
+    json: bool,
+}
+
+impl Pass<'_> {
+    /// Runs the pass over the selected dead letters, printing a line for each
+    /// (`<verb> #3 (kind: reason)`), or, for JSON, collecting them; how many it passed.
+    async fn run(
+        &self,
+        selection: &Selection,
+        verb: &str,
+    ) -> anyhow::Result<(u64, Vec<serde_json::Value>)> {
+        let action = if self.dry_run {
+            Action::Look
+        } else {
+            self.action
+        };
+        let mut letters = Vec::new();
+        let passed = source::pass_dead_letters(self.pipeline, selection, action, |letter| {
+            if self.json {
+                letters.push(letter.json(false));
+                return;
+            }
+            println!(
+                "{verb} #{} ({}: {})",
+                letter.position,
+                printable(letter.kind.as_deref().unwrap_or("-"), false),
+                printable(
+                    &cut_line(letter.reason.as_deref().unwrap_or("-"), 80),
+                    false
+                )
+            );
+        })
+        .await?;
+        Ok((passed, letters))
+    }
 }
 
 async fn discard(
@@ -363,21 +416,38 @@ async fn discard(
     filter: DlqFilter,
     all: bool,
     dry_run: bool,
-) -> anyhow::Result<ExitCode> {
+    format: FormatArg,
+) -> anyhow::Result<Exit> {
     let selection = filter.selection();
     if selection.is_everything() && !all {
-        eprintln!(
+        return Err(UsageError(format!(
             "idem dlq discard: no filter given; pass --kind, --reason, --since, --id or --limit, or --all to discard every dead letter of {:?}",
             pipeline.name
-        );
-        return Ok(ExitCode::FAILURE);
+        ))
+        .into());
     }
     let verb = if dry_run {
         "would discard"
     } else {
         "discarded"
     };
-    let removed = pass_printing(pipeline, &selection, Action::Discard, dry_run, verb).await?;
+    let pass = Pass {
+        pipeline,
+        action: Action::Discard,
+        dry_run,
+        json: format.is_json(),
+    };
+    let (removed, letters) = pass.run(&selection, verb).await?;
+    if pass.json {
+        print_json(&serde_json::json!({
+            "pipeline": pipeline.name,
+            "from": pipeline.dead_letter(),
+            "dry_run": dry_run,
+            "discarded": removed,
+            "letters": letters,
+        }))?;
+        return Ok(Exit::Success);
+    }
     println!(
         "{verb} {removed} message(s) from {:?}{}",
         pipeline.dead_letter(),
@@ -387,7 +457,7 @@ async fn discard(
             ""
         }
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(Exit::Success)
 }
 
 async fn archive(
@@ -396,7 +466,7 @@ async fn archive(
     selection: &Selection,
     to: Option<&Path>,
     dry_run: bool,
-) -> anyhow::Result<ExitCode> {
+) -> anyhow::Result<Exit> {
     let database_config = config.database_of(pipeline);
     let tables = Tables::of(database_config);
     let pool = match to {
@@ -438,5 +508,5 @@ async fn archive(
             pipeline.dead_letter()
         );
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(Exit::Success)
 }

@@ -4,10 +4,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use idem_host::config::{Config, DatabaseConfig, PipelineConfig};
 use idem_host::store::database;
 use idem_host::store::statement::StatementCatalog;
+
+use crate::exit::UsageError;
 
 /// The pipelines file a command reads.
 #[derive(clap::Args)]
@@ -38,17 +39,18 @@ pub fn pipeline_named<'config>(
     config: &'config Config,
     name: &str,
 ) -> anyhow::Result<&'config PipelineConfig> {
-    config.pipeline(name).with_context(|| {
+    config.pipeline(name).ok_or_else(|| {
         let known: Vec<&str> = config
             .pipelines
             .iter()
             .map(|pipeline| pipeline.name.as_str())
             .collect();
-        format!(
+        UsageError(format!(
             "no pipeline {name:?} in {} (it has: {})",
             config.path.display(),
             known.join(", ")
-        )
+        ))
+        .into()
     })
 }
 

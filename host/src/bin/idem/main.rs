@@ -10,11 +10,13 @@ mod check;
 mod cleanup;
 mod completions;
 mod dlq;
+mod exit;
 mod kit;
 mod lookup;
 mod migrate;
 mod new;
 mod outbox;
+mod output;
 mod partition;
 mod pause;
 mod replay;
@@ -29,6 +31,7 @@ mod wit;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use exit::Exit;
 use idem_host::telemetry::export::TraceExport;
 
 /// The version `idem --version` prints, with the plugin contracts this host runs (kept to
@@ -93,10 +96,11 @@ fn main() -> ExitCode {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("idem: cannot start the async runtime: {error}");
-            return ExitCode::FAILURE;
+            return Exit::Failure.into();
         }
     };
     let log_format = cli.log_format;
+    let json = cli.command.reports_json();
     let ran = match cli.command {
         // `idem run` exports traces when its file or the OTEL_* variables say so.
         Command::Run(args) => args.main(&runtime, |traces| {
@@ -107,13 +111,20 @@ fn main() -> ExitCode {
             runtime.block_on(dispatch(command))
         }
     };
-    match ran {
-        Ok(code) => code,
+    let exit = match ran {
+        Ok(exit) => exit,
         Err(error) => {
+            let exit = Exit::of_error(&error);
             eprintln!("idem: {}", one_line(&error));
-            ExitCode::FAILURE
+            // A script that asked for JSON reads it from stdout, error or not.
+            if json {
+                let report = serde_json::json!({ "error": one_line(&error), "exit": exit.code() });
+                println!("{report}");
+            }
+            exit
         }
-    }
+    };
+    exit.into()
 }
 
 /// `error` and its causes on one line, each cause once: most of the host's errors already
@@ -143,9 +154,24 @@ impl Command {
             _ => "info",
         }
     }
+
+    /// Whether the command was asked for a JSON report (`--format json`): an error is then
+    /// a JSON document on stdout too.
+    fn reports_json(&self) -> bool {
+        let format = match self {
+            Command::Check(args) => Some(args.format),
+            Command::Status(args) => Some(args.format),
+            Command::Test(args) => Some(args.format),
+            Command::Replay(args) => Some(args.format),
+            Command::Outbox(args) => args.format(),
+            Command::Dlq(args) => args.format(),
+            _ => None,
+        };
+        format.is_some_and(output::FormatArg::is_json)
+    }
 }
 
-async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
+async fn dispatch(command: Command) -> anyhow::Result<Exit> {
     match command {
         Command::Run(_) => unreachable!("`idem run` starts in main, with its trace export"),
         Command::Migrate(args) => args.run().await,
@@ -176,12 +202,16 @@ fn init_tracing(format: LogFormat, level: &str, traces: Option<&TraceExport>) {
         // lapin logs every failed connection attempt as an error of its own; the host says
         // what failed and what it does about it (`RUST_LOG=lapin=debug` shows lapin's side).
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},lapin=off")));
-    let logs = tracing_subscriber::fmt::layer()
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
     let logs = match format {
-        LogFormat::Text => logs.boxed(),
-        LogFormat::Json => logs.json().boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_writer(std::io::stderr)
+            .boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+            .event_format(idem_host::telemetry::logs::FlatJson)
+            .with_writer(std::io::stderr)
+            .boxed(),
     };
     tracing_subscriber::registry()
         .with(traces.map(TraceExport::layer))

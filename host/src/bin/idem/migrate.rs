@@ -1,11 +1,10 @@
 //! `idem migrate`: create or update the host's tables.
 
-use std::process::ExitCode;
-
 use idem_host::config::Config;
 use idem_host::store::database;
 use idem_host::store::tables::Tables;
 
+use crate::exit::Exit;
 use crate::lookup::ConfigArg;
 
 /// Create or update the host's tables (processed_messages, idem_outbox, idem_consumers) in
@@ -24,7 +23,7 @@ pub struct Args {
 }
 
 impl Args {
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
+    pub async fn run(self) -> anyhow::Result<Exit> {
         let config = Config::load(&self.config.config)?;
         for (_, database_config, prefix) in crate::lookup::each_database(&config) {
             let pool = database::connect_once(database_config).await?;
@@ -55,6 +54,6 @@ impl Args {
                 tables.place()
             );
         }
-        Ok(ExitCode::SUCCESS)
+        Ok(Exit::Success)
     }
 }

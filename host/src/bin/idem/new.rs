@@ -1,8 +1,8 @@
 //! `idem new`: a plugin project outside any checkout.
 
 use std::path::PathBuf;
-use std::process::ExitCode;
 
+use crate::exit::Exit;
 use crate::kit::{self, Language};
 
 /// Write a new plugin project in DIR (named after it): the handler, the guest helper, the
@@ -15,7 +15,7 @@ pub struct Args {
 }
 
 impl Args {
-    pub fn run(self) -> anyhow::Result<ExitCode> {
+    pub fn run(self) -> anyhow::Result<Exit> {
         kit::new(self.language, &self.directory)
     }
 }

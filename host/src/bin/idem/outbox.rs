@@ -1,7 +1,6 @@
 //! `idem outbox`: outbox rows not delivered, listed, and parked ones sent again.
 
 use std::path::Path;
-use std::process::ExitCode;
 use std::time::Duration;
 
 use idem_host::config::Config;
@@ -9,7 +8,9 @@ use idem_host::source::dead_letters::cut_line;
 use idem_host::store::tables::Tables;
 use idem_host::store::{database, outbox};
 
+use crate::exit::{Exit, UsageError};
 use crate::lookup::ConfigArg;
+use crate::output::{FormatArg, print_json};
 use crate::table::{format_age, print_table};
 
 /// Outbox rows not delivered: list them, send parked ones again.
@@ -20,15 +21,25 @@ pub struct Args {
 }
 
 impl Args {
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
+    /// The report's format.
+    pub fn format(&self) -> Option<FormatArg> {
+        match &self.command {
+            OutboxArgs::List { format, .. } | OutboxArgs::Retry { format, .. } => Some(*format),
+        }
+    }
+
+    pub async fn run(self) -> anyhow::Result<Exit> {
         match self.command {
             OutboxArgs::List {
                 config,
                 parked,
-                json,
+                format,
                 database,
             } => {
-                let command = OutboxCommand::List { parked, json };
+                let command = OutboxCommand::List {
+                    parked,
+                    json: format.is_json(),
+                };
                 outbox(&config.config, database, command).await
             }
             OutboxArgs::Retry {
@@ -36,8 +47,13 @@ impl Args {
                 destination,
                 id,
                 database,
+                format,
             } => {
-                let command = OutboxCommand::Retry { destination, id };
+                let command = OutboxCommand::Retry {
+                    destination,
+                    id,
+                    json: format.is_json(),
+                };
                 outbox(&config.config, database, command).await
             }
         }
@@ -53,9 +69,8 @@ enum OutboxArgs {
         /// Only rows parked after their last attempt.
         #[arg(long)]
         parked: bool,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        format: FormatArg,
         /// Only the rows of `[databases.<name>]` (default: every database's).
         #[arg(long)]
         database: Option<String>,
@@ -74,6 +89,8 @@ enum OutboxArgs {
         /// `[database]`'s with `--id`).
         #[arg(long)]
         database: Option<String>,
+        #[command(flatten)]
+        format: FormatArg,
     },
 }
 
@@ -85,6 +102,7 @@ enum OutboxCommand {
     Retry {
         destination: Option<String>,
         id: Option<i64>,
+        json: bool,
     },
 }
 
@@ -92,12 +110,15 @@ async fn outbox(
     path: &Path,
     database: Option<String>,
     command: OutboxCommand,
-) -> anyhow::Result<ExitCode> {
+) -> anyhow::Result<Exit> {
     let config = Config::load(path)?;
     if let Some(name) = &database
         && !config.databases.contains_key(name)
     {
-        anyhow::bail!("--database {name:?}: no [databases.{name}] table in the config");
+        return Err(UsageError(format!(
+            "--database {name:?}: no [databases.{name}] table in the config"
+        ))
+        .into());
     }
     let several = !config.databases.is_empty();
     let retry_one = matches!(command, OutboxCommand::Retry { id: Some(_), .. });
@@ -129,13 +150,17 @@ async fn outbox(
                         json
                     })
                     .collect();
-                println!("{}", serde_json::to_string_pretty(&rows)?);
-                return Ok(ExitCode::SUCCESS);
+                print_json(&serde_json::Value::from(rows))?;
+            } else {
+                list(rows, parked, several);
             }
-            list(rows, parked, several);
-            Ok(ExitCode::SUCCESS)
+            Ok(Exit::Success)
         }
-        OutboxCommand::Retry { destination, id } => {
+        OutboxCommand::Retry {
+            destination,
+            id,
+            json,
+        } => {
             let mut ids = Vec::new();
             for (name, pool, tables) in &chosen {
                 for retried in
@@ -147,18 +172,30 @@ async fn outbox(
                     });
                 }
             }
-            if ids.is_empty() {
-                println!("no parked outbox row matched; nothing to retry");
-                return Ok(ExitCode::FAILURE);
-            }
-            println!(
-                "{} parked row(s) are pending again ({}); a running `idem run` delivers them on its relay's next pass",
-                ids.len(),
-                ids.join(", ")
-            );
-            Ok(ExitCode::SUCCESS)
+            retried(&ids, json)
         }
     }
+}
+
+/// Says which parked rows are pending again; `Findings` when none matched.
+fn retried(ids: &[String], json: bool) -> anyhow::Result<Exit> {
+    let exit = if ids.is_empty() {
+        Exit::Findings
+    } else {
+        Exit::Success
+    };
+    if json {
+        print_json(&serde_json::json!({ "retried": ids, "exit": exit.code() }))?;
+    } else if ids.is_empty() {
+        println!("no parked outbox row matched; nothing to retry");
+    } else {
+        println!(
+            "{} parked row(s) are pending again ({}); a running `idem run` delivers them on its relay's next pass",
+            ids.len(),
+            ids.join(", ")
+        );
+    }
+    Ok(exit)
 }
 
 /// Prints undelivered rows as a table, with each row's database when there are several.

@@ -1,11 +1,10 @@
 //! `idem partition`: convert processed_messages to daily partitions.
 
-use std::process::ExitCode;
-
 use idem_host::config::{Config, RetentionConfig};
 use idem_host::store::tables::Tables;
 use idem_host::store::{database, partition, retention};
 
+use crate::exit::Exit;
 use crate::lookup::ConfigArg;
 
 /// Convert processed_messages to daily partitions (keeps every claim; run before starting hosts).
@@ -16,7 +15,7 @@ pub struct Args {
 }
 
 impl Args {
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
+    pub async fn run(self) -> anyhow::Result<Exit> {
         let config = Config::load(&self.config.config)?;
         for (name, database_config, prefix) in crate::lookup::each_database(&config) {
             // One session, so the check for connected hosts can tell this one apart.
@@ -32,7 +31,7 @@ impl Args {
                         "idem partition: {prefix}refused: {sessions} idem host session(s) are connected to this database; \
                          stop every host first (a running host would keep the unpartitioned claim form)"
                     );
-                    return Ok(ExitCode::FAILURE);
+                    return Ok(Exit::Failure);
                 }
                 partition::Conversion::Converted => true,
                 partition::Conversion::AlreadyPartitioned => false,
@@ -52,6 +51,6 @@ impl Args {
                 maintenance.dropped
             );
         }
-        Ok(ExitCode::SUCCESS)
+        Ok(Exit::Success)
     }
 }

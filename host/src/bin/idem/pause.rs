@@ -1,13 +1,12 @@
 //! `idem pause` and `idem resume`: a pipeline paused on every host of its consumer, recorded
 //! in the database (`pipeline::pause`), or resumed.
 
-use std::process::ExitCode;
-
 use idem_host::config::Config;
 use idem_host::pipeline::pause::WATCH_EVERY;
 use idem_host::store::tables::Tables;
 use idem_host::store::{database, pauses};
 
+use crate::exit::Exit;
 use crate::lookup::ConfigArg;
 use crate::lookup::pipeline_named;
 
@@ -37,7 +36,7 @@ pub struct ResumeArgs {
 }
 
 impl PauseArgs {
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
+    pub async fn run(self) -> anyhow::Result<Exit> {
         let config = Config::load(&self.config.config)?;
         let pipeline = pipeline_named(&config, &self.pipeline)?;
         let database_config = config.database_of(pipeline);
@@ -64,12 +63,12 @@ impl PauseArgs {
             WATCH_EVERY.as_secs(),
             pipeline.name
         );
-        Ok(ExitCode::SUCCESS)
+        Ok(Exit::Success)
     }
 }
 
 impl ResumeArgs {
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
+    pub async fn run(self) -> anyhow::Result<Exit> {
         let config = Config::load(&self.config.config)?;
         let pipeline = pipeline_named(&config, &self.pipeline)?;
         let database_config = config.database_of(pipeline);
@@ -89,6 +88,6 @@ impl ResumeArgs {
                 pipeline.name, pipeline.name
             );
         }
-        Ok(ExitCode::SUCCESS)
+        Ok(Exit::Success)
     }
 }

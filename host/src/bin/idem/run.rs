@@ -1,12 +1,12 @@
 //! `idem run`: consume every pipeline's source until SIGTERM or Ctrl-C, then drain and exit.
 
-use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
 use idem_host::config::Config;
 use idem_host::telemetry::export::TraceExport;
 
+use crate::exit::Exit;
 use crate::lookup::ConfigArg;
 
 /// Consume every pipeline's queue until SIGTERM or Ctrl-C.
@@ -28,7 +28,7 @@ impl Args {
         self,
         runtime: &tokio::runtime::Runtime,
         init_logs: impl FnOnce(Option<&TraceExport>),
-    ) -> anyhow::Result<ExitCode> {
+    ) -> anyhow::Result<Exit> {
         let config = Config::load(&self.config.config)?;
         // The gRPC exporter's connection runs on the runtime.
         let traces = {
@@ -46,7 +46,7 @@ impl Args {
         ran
     }
 
-    async fn run(self, config: Config) -> anyhow::Result<ExitCode> {
+    async fn run(self, config: Config) -> anyhow::Result<Exit> {
         let shutdown_timeout = self.shutdown_timeout;
         let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel();
         let shutdown = async move {
@@ -62,11 +62,11 @@ impl Args {
         tokio::select! {
             ran = idem_host::run(config, shutdown) => {
                 ran?;
-                Ok(ExitCode::SUCCESS)
+                Ok(Exit::Success)
             }
             () = deadline => {
                 tracing::error!(timeout = ?shutdown_timeout, "Shutdown timed out; exiting with messages in flight. They were not acked and will be redelivered.");
-                Ok(ExitCode::FAILURE)
+                Ok(Exit::Failure)
             }
         }
     }

@@ -1,6 +1,6 @@
 //! `idem schema`: the JSON Schema of pipelines.toml.
 
-use std::process::ExitCode;
+use crate::exit::Exit;
 
 /// Print the JSON Schema of pipelines.toml, for editors (e.g. taplo, Even Better TOML:
 /// `#:schema ./pipelines.schema.json` on the file's first line).
@@ -8,9 +8,9 @@ use std::process::ExitCode;
 pub struct Args {}
 
 impl Args {
-    pub fn run(self) -> anyhow::Result<ExitCode> {
+    pub fn run(self) -> anyhow::Result<Exit> {
         let schema = idem_host::config::json_schema();
         println!("{}", serde_json::to_string_pretty(&schema)?);
-        Ok(ExitCode::SUCCESS)
+        Ok(Exit::Success)
     }
 }

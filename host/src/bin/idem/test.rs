@@ -1,9 +1,6 @@
 //! `idem test`: a plugin on every case of a case file, each difference shown.
 
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
-
-use anyhow::Context;
 
 use idem_host::cases::{self, Origin, Trial};
 use idem_host::config::{Config, PipelineConfig, PluginLimits, SourceConfig};
@@ -11,10 +8,12 @@ use idem_host::pipeline;
 use idem_host::sandbox::{LoadedPlugin, PluginRuntime};
 use idem_host::store::statement::StatementCatalog;
 
+use crate::exit::{Exit, UsageError};
 use crate::lookup::{pipeline_named, statements};
+use crate::output::{FormatArg, print_json};
 
 /// Run a plugin on every case of a case file and show each difference from the expected
-/// outcome (exit 1 on any); with --config, also check every effect against the pipeline.
+/// outcome (exit 5 on any); with --config, also check every effect against the pipeline.
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
@@ -22,11 +21,13 @@ pub struct Args {
     /// The case file (JSON: messages and expected outcomes).
     #[arg(long, default_value = "cases.json")]
     cases: PathBuf,
+    #[command(flatten)]
+    pub format: FormatArg,
 }
 
 impl Args {
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
-        test(self.target, &self.cases).await
+    pub async fn run(self) -> anyhow::Result<Exit> {
+        test(self.target, &self.cases, self.format.is_json()).await
     }
 }
 
@@ -59,10 +60,11 @@ struct Subject {
 impl Subject {
     async fn of(target: &TestTarget) -> anyhow::Result<Subject> {
         let Some(config_path) = &target.config else {
-            let path = target
-                .plugin
-                .clone()
-                .context("name the plugin with --plugin X.wasm (or a pipeline with --config)")?;
+            let path = target.plugin.clone().ok_or_else(|| {
+                UsageError(
+                    "name the plugin with --plugin X.wasm (or a pipeline with --config)".into(),
+                )
+            })?;
             let runtime = PluginRuntime::new()?;
             let plugin = runtime.compile(&path, None).await?;
             return Ok(Subject {
@@ -77,11 +79,14 @@ impl Subject {
             Some(name) => pipeline_named(&config, name)?.clone(),
             None => match &config.pipelines[..] {
                 [only] => only.clone(),
-                _ => anyhow::bail!(
-                    "{} has {} pipelines: name one with --pipeline",
-                    config.path.display(),
-                    config.pipelines.len()
-                ),
+                _ => {
+                    return Err(UsageError(format!(
+                        "{} has {} pipelines: name one with --pipeline",
+                        config.path.display(),
+                        config.pipelines.len()
+                    ))
+                    .into());
+                }
             },
         };
         if let Some(plugin) = &target.plugin {
@@ -99,7 +104,7 @@ impl Subject {
     }
 }
 
-async fn test(target: TestTarget, cases_path: &Path) -> anyhow::Result<ExitCode> {
+async fn test(target: TestTarget, cases_path: &Path, json: bool) -> anyhow::Result<Exit> {
     let cases = cases::load(cases_path)?;
     let Subject {
         runtime,
@@ -119,12 +124,14 @@ async fn test(target: TestTarget, cases_path: &Path) -> anyhow::Result<ExitCode>
         ),
         _ => String::new(),
     };
-    println!(
-        "idem test: {} ({}) against {}{checked_against}",
-        plugin.path.display(),
-        plugin.digest,
-        cases_path.display()
-    );
+    if !json {
+        println!(
+            "idem test: {} ({}) against {}{checked_against}",
+            plugin.path.display(),
+            plugin.digest,
+            cases_path.display()
+        );
+    }
     let default_limits = PluginLimits::default();
     let run = Trial {
         runtime: &runtime,
@@ -142,27 +149,75 @@ async fn test(target: TestTarget, cases_path: &Path) -> anyhow::Result<ExitCode>
         ),
         fit: pipeline_config.as_ref().zip(statements.as_ref()),
     };
-    let mut failed = 0;
+    let mut results = Vec::with_capacity(cases.len());
     for case in &cases {
         let differences = run.differences(case).await;
-        if differences.is_empty() {
-            println!("ok   {}", case.name);
-        } else {
-            failed += 1;
-            println!("FAIL {}", case.name);
-            for difference in differences {
+        if !json {
+            let verdict = if differences.is_empty() {
+                "ok  "
+            } else {
+                "FAIL"
+            };
+            println!("{verdict} {}", case.name);
+            for difference in &differences {
                 println!("       {difference}");
             }
         }
+        results.push((case.name.as_str(), differences));
     }
-    println!(
-        "{} case(s): {} passed, {failed} failed",
-        cases.len(),
-        cases.len() - failed
-    );
-    Ok(if failed == 0 {
-        ExitCode::SUCCESS
+    verdict(
+        &plugin,
+        cases_path,
+        pipeline_config.as_ref(),
+        &results,
+        json,
+    )
+}
+
+/// The summary (or, for JSON, the whole report) and the exit: `Findings` if a case differs.
+fn verdict(
+    plugin: &LoadedPlugin,
+    cases_path: &Path,
+    pipeline_config: Option<&PipelineConfig>,
+    results: &[(&str, Vec<String>)],
+    json: bool,
+) -> anyhow::Result<Exit> {
+    let failed = results
+        .iter()
+        .filter(|(_, differences)| !differences.is_empty())
+        .count();
+    let passed = results.len() - failed;
+    let exit = if failed == 0 {
+        Exit::Success
     } else {
-        ExitCode::FAILURE
-    })
+        Exit::Findings
+    };
+    if !json {
+        println!(
+            "{} case(s): {passed} passed, {failed} failed",
+            results.len()
+        );
+        return Ok(exit);
+    }
+    let cases: Vec<_> = results
+        .iter()
+        .map(|(name, differences)| {
+            serde_json::json!({
+                "name": name,
+                "passed": differences.is_empty(),
+                "differences": differences,
+            })
+        })
+        .collect();
+    print_json(&serde_json::json!({
+        "plugin": plugin.path.display().to_string(),
+        "digest": plugin.digest,
+        "cases_file": cases_path.display().to_string(),
+        "pipeline": pipeline_config.map(|pipeline_config| &pipeline_config.name),
+        "cases": cases,
+        "passed": passed,
+        "failed": failed,
+        "exit": exit.code(),
+    }))?;
+    Ok(exit)
 }

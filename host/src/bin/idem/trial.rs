@@ -3,7 +3,6 @@
 //! and its statements are found.
 
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 
 use anyhow::Context;
 
@@ -13,6 +12,7 @@ use idem_host::effect::Outcome;
 use idem_host::pipeline;
 use idem_host::sandbox::PluginRuntime;
 
+use crate::exit::Exit;
 use crate::lookup::{ConfigArg, pipeline_named, statements};
 
 /// Run a pipeline's plugin on one message and print its decision (no broker); its effects
@@ -35,7 +35,7 @@ pub struct Args {
 }
 
 impl Args {
-    pub async fn run(self) -> anyhow::Result<ExitCode> {
+    pub async fn run(self) -> anyhow::Result<Exit> {
         try_message(
             &self.config.config,
             &self.pipeline,
@@ -70,7 +70,7 @@ async fn try_message(
     message: &Path,
     delivery: Delivery,
     offline: bool,
-) -> anyhow::Result<ExitCode> {
+) -> anyhow::Result<Exit> {
     let config = Config::load(path)?;
     let pipeline_config = pipeline_named(&config, pipeline_name)?;
     let body = if message == Path::new("-") {
@@ -119,17 +119,17 @@ async fn try_message(
         Ok(Outcome::Decision(decision)) => {
             let statements = statements(&config, pipeline_config, offline).await;
             match cases::fit(pipeline_config, &statements, decision) {
-                Ok(()) => Ok(ExitCode::SUCCESS),
+                Ok(()) => Ok(Exit::Success),
                 Err(error) => {
                     eprintln!(
                         "idem try: this decision would be rejected by pipeline {:?}: {error}",
                         pipeline_config.name
                     );
-                    Ok(ExitCode::FAILURE)
+                    Ok(Exit::Findings)
                 }
             }
         }
-        Ok(Outcome::Skip { .. }) => Ok(ExitCode::SUCCESS),
-        Err(_) => Ok(ExitCode::FAILURE),
+        Ok(Outcome::Skip { .. }) => Ok(Exit::Success),
+        Err(_) => Ok(Exit::Findings),
     }
 }

@@ -1,9 +1,10 @@
 //! `idem wit`: the plugin contract this binary was built with.
 
 use std::path::PathBuf;
-use std::process::ExitCode;
 
 use anyhow::Context;
+
+use crate::exit::Exit;
 
 /// Print the plugin contract this host was built with (the WIT package `idem:plugin`), or
 /// write it as a WIT package directory for a plugin project (`DIR/world.wit`).
@@ -15,17 +16,17 @@ pub struct Args {
 }
 
 impl Args {
-    pub fn run(self) -> anyhow::Result<ExitCode> {
+    pub fn run(self) -> anyhow::Result<Exit> {
         let wit = idem_host::sandbox::WORLD_WIT;
         let Some(directory) = self.out else {
             print!("{wit}");
-            return Ok(ExitCode::SUCCESS);
+            return Ok(Exit::Success);
         };
         std::fs::create_dir_all(&directory)
             .with_context(|| format!("cannot create {}", directory.display()))?;
         let path = directory.join("world.wit");
         std::fs::write(&path, wit).with_context(|| format!("cannot write {}", path.display()))?;
         eprintln!("idem wit: wrote {}", path.display());
-        Ok(ExitCode::SUCCESS)
+        Ok(Exit::Success)
     }
 }

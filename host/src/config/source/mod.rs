@@ -62,6 +62,17 @@ impl SourceConfig {
         }
     }
 
+    /// The consumer group the pipeline reads in, as traces name it
+    /// (`messaging.consumer.group.name`): a Kafka group, a JetStream durable consumer; none
+    /// for a RabbitMQ queue.
+    pub fn consumer_group(&self) -> Option<&str> {
+        match self {
+            SourceConfig::RabbitMq(_) => None,
+            SourceConfig::JetStream(source) => Some(&source.consumer),
+            SourceConfig::Kafka(source) => Some(&source.group),
+        }
+    }
+
     /// The kind of source, as plugins see it in `message.source`.
     pub fn kind(&self) -> &'static str {
         match self {

@@ -24,7 +24,7 @@ pub async fn check(pipelines: &[(&PipelineConfig, &JetStreamConfig)]) -> Vec<Fin
                 "pipeline {name:?}: stream {:?} ({messages} messages) and consumer {:?} match",
                 source.stream, source.consumer
             )),
-            Err(error) => Finding::Problem(error.to_string()),
+            Err(error) => Finding::failed("", error),
         });
     }
     findings
@@ -32,25 +32,40 @@ pub async fn check(pipelines: &[(&PipelineConfig, &JetStreamConfig)]) -> Vec<Fin
 
 /// What `source`'s stream holds for its consumer.
 pub async fn status(source: &JetStreamConfig) -> Vec<StatusLine> {
-    let state = match inspect(source, None).await {
-        Ok(Found::StreamMissing) => "not created yet".to_string(),
-        Ok(Found::ConsumerMissing { messages }) => {
-            format!("{messages} messages; consumer not created yet")
+    let name = source.stream.clone();
+    let line = match inspect(source, None).await {
+        Ok(Found::StreamMissing) => {
+            StatusLine::known("stream", name, "not created yet".to_string(), Vec::new())
         }
+        Ok(Found::ConsumerMissing { messages }) => StatusLine::known(
+            "stream",
+            name,
+            format!("{messages} messages; consumer not created yet"),
+            vec![("messages", messages)],
+        ),
         Ok(Found::Ready {
             messages,
             pending,
             unacknowledged,
             dead_letters,
-        }) => format!(
-            "{messages} messages, {pending} not delivered, {unacknowledged} unacknowledged; dead letters: {}",
-            dead_letters.map_or("none yet".to_string(), |count| count.to_string())
-        ),
-        Err(error) => format!("unknown ({error})"),
+        }) => {
+            let mut figures = vec![
+                ("messages", messages),
+                ("not_delivered", pending),
+                ("unacknowledged", unacknowledged),
+            ];
+            figures.extend(dead_letters.map(|count| ("dead_letters", count)));
+            StatusLine::known(
+                "stream",
+                name,
+                format!(
+                    "{messages} messages, {pending} not delivered, {unacknowledged} unacknowledged; dead letters: {}",
+                    dead_letters.map_or("none yet".to_string(), |count| count.to_string())
+                ),
+                figures,
+            )
+        }
+        Err(error) => StatusLine::unknown("stream", name, error),
     };
-    vec![StatusLine {
-        label: "stream",
-        name: source.stream.clone(),
-        state,
-    }]
+    vec![line]
 }

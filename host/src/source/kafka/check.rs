@@ -54,7 +54,7 @@ pub async fn check(pipelines: &[(&PipelineConfig, &KafkaConfig)]) -> Vec<Finding
                     }
                 ))
             }
-            Err(error) => Finding::Problem(format!("pipeline {name:?}: {error}")),
+            Err(error) => Finding::failed(&format!("pipeline {name:?}: "), error),
         });
     }
     findings
@@ -62,21 +62,30 @@ pub async fn check(pipelines: &[(&PipelineConfig, &KafkaConfig)]) -> Vec<Finding
 
 /// What `source`'s topics hold for its group.
 pub async fn status(source: &KafkaConfig) -> Vec<StatusLine> {
-    let state = match look(source, "idem status").await {
-        Ok(found) => format!(
-            "{} partitions, {} messages not committed by group {:?}; dead letters: {}",
-            found.waiting.len(),
-            found.waiting.values().sum::<u64>(),
-            source.group,
-            found
-                .dead_letters
-                .map_or("none yet".to_string(), |count| count.to_string())
-        ),
-        Err(error) => format!("unknown ({error})"),
+    let name = source.topics.join(",");
+    let line = match look(source, "idem status").await {
+        Ok(found) => {
+            let waiting = found.waiting.values().sum::<u64>();
+            let mut figures = vec![
+                ("partitions", found.waiting.len() as u64),
+                ("not_committed", waiting),
+            ];
+            figures.extend(found.dead_letters.map(|count| ("dead_letters", count)));
+            StatusLine::known(
+                "topic",
+                name,
+                format!(
+                    "{} partitions, {waiting} messages not committed by group {:?}; dead letters: {}",
+                    found.waiting.len(),
+                    source.group,
+                    found
+                        .dead_letters
+                        .map_or("none yet".to_string(), |count| count.to_string())
+                ),
+                figures,
+            )
+        }
+        Err(error) => StatusLine::unknown("topic", name, error),
     };
-    vec![StatusLine {
-        label: "topic",
-        name: source.topics.join(","),
-        state,
-    }]
+    vec![line]
 }

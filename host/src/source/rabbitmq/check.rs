@@ -19,7 +19,7 @@ pub async fn check(
         let connection = match connect(broker, "idem check".into()).await {
             Ok(connection) => connection,
             Err(error) => {
-                findings.push(Finding::Problem(error.to_string()));
+                findings.push(Finding::failed("", error));
                 continue;
             }
         };
@@ -68,7 +68,7 @@ async fn check_queues(
                     "pipeline {:?}: {label} {queue:?} will be declared by idem run ({declared})",
                     pipeline.name
                 )),
-                Err(error) => Finding::Problem(error.to_string()),
+                Err(error) => Finding::failed("", error),
             },
         );
     }
@@ -81,15 +81,19 @@ pub async fn status(queues: &RabbitMqConfig) -> Vec<StatusLine> {
         ("queue", &queues.queue),
         ("dead letters", &queues.dead_letter_queue),
     ] {
-        let state = match queue_depth(&queues.broker, queue).await {
-            Ok(Some(depth)) => format!("{} ready, {} consumers", depth.ready, depth.consumers),
-            Ok(None) => "not declared yet".to_string(),
-            Err(error) => format!("unknown ({error})"),
-        };
-        lines.push(StatusLine {
-            label,
-            name: queue.clone(),
-            state,
+        let name = queue.clone();
+        lines.push(match queue_depth(&queues.broker, queue).await {
+            Ok(Some(depth)) => StatusLine::known(
+                label,
+                name,
+                format!("{} ready, {} consumers", depth.ready, depth.consumers),
+                vec![
+                    ("ready", u64::from(depth.ready)),
+                    ("consumers", u64::from(depth.consumers)),
+                ],
+            ),
+            Ok(None) => StatusLine::known(label, name, "not declared yet".to_string(), Vec::new()),
+            Err(error) => StatusLine::unknown(label, name, error),
         });
     }
     lines

@@ -12,6 +12,7 @@ mod acks;
 pub mod check;
 mod connect;
 pub mod dead_letters;
+mod delay;
 mod depths;
 pub mod publish;
 mod received;
@@ -33,7 +34,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, Consumer};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{AmqpConfig, PipelineConfig, RabbitMqConfig, SourceConfig};
+use crate::config::{PipelineConfig, RabbitMqConfig, SourceConfig};
 use crate::source::standing::Lent;
 use crate::source::{Source, SourceError};
 
@@ -132,7 +133,7 @@ impl Session {
         )
         .await;
         let opened = match consumed {
-            Ok(consuming) => Self::copies(&queues.broker, &name, queues)
+            Ok(consuming) => Self::copies(&name, queues, pipeline)
                 .await
                 .map(|copies| (consuming, copies)),
             Err(error) => Err(error),
@@ -161,13 +162,14 @@ impl Session {
         }
     }
 
-    /// The publishing connection and its channel in confirm mode, for the copies.
+    /// The publishing connection and its channel in confirm mode, for the copies (with the
+    /// first retry wait's delay queue declared on it, see `delay::declare_first`).
     async fn copies(
-        broker: &AmqpConfig,
         name: &str,
         queues: &RabbitMqConfig,
+        pipeline: &PipelineConfig,
     ) -> Result<(Connection, Channel), AmqpError> {
-        let publisher = connect(broker, format!("{name} (copies)")).await?;
+        let publisher = connect(&queues.broker, format!("{name} (copies)")).await?;
         let failed =
             |action| move |source| topology::refusal(queues, Role::DeadLetter, action, source);
         let channel = match publisher.create_channel().await {
@@ -187,6 +189,12 @@ impl Session {
                 .close(200, ShortString::from("idem stopping"))
                 .await;
             return Err(failed("enable publisher confirms on")(source));
+        }
+        if let Err(error) = delay::declare_first(&channel, queues, pipeline).await {
+            let _ = publisher
+                .close(200, ShortString::from("idem stopping"))
+                .await;
+            return Err(error);
         }
         Ok((publisher, channel))
     }

@@ -138,12 +138,14 @@ pub(super) enum CopyFor {
     Requeue,
     /// To the dead-letter queue, where it must wait for an operator.
     DeadLetter,
+    /// To a delay queue, whose own time it waits (a producer's `expiration` would cut it).
+    Delay,
 }
 
 /// The properties of a copy of a delivery: the original's, persistent, with `headers`; without
 /// `user-id` (the broker refuses a publish whose user-id is not the publishing user, and idem
-/// is not the producer), and for a dead letter without `expiration` (it must not expire out
-/// of the dead-letter queue). The dropped values are kept in `x-idem-…` headers.
+/// is not the producer), and for a dead letter or a delayed retry without `expiration` (it
+/// must not expire out of the dead-letter queue, nor cut the delay queue's wait). The dropped values are kept in `x-idem-…` headers.
 pub(super) fn copy_properties(
     original: &BasicProperties,
     mut headers: FieldTable,

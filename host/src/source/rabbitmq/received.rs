@@ -13,6 +13,7 @@ use crate::message::InboundMessage;
 use crate::source::{Delivery, headers, unix_seconds};
 
 use super::acks::Acks;
+use super::delay;
 use super::publish::{self, CopyChannel};
 use super::publish::{CopyFor, copy_properties, one_copy_at_a_time};
 use super::{AmqpError, KIND, Route};
@@ -60,12 +61,17 @@ impl Delivery for Received {
         .await
     }
 
+    /// Waits in a delay queue of idem's, off this worker (see `delay`); with `declare =
+    /// false` idem declares nothing, so the wait is spent here, holding the worker.
     async fn retry(&self, attempt: u32, delay: Duration) -> bool {
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            () = self.route.shutdown.cancelled() => {}
+        let step = delay::step(delay).filter(|_| self.route.queues.declare);
+        if step.is_none() {
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = self.route.shutdown.cancelled() => {}
+            }
         }
-        self.copied(Copying::Retry(attempt)).await
+        self.copied(Copying::Retry { attempt, step }).await
     }
 
     async fn requeue(&self) -> bool {
@@ -84,7 +90,11 @@ pub(super) enum Copying {
         error_kind: &'static str,
         reason: String,
     },
-    Retry(u32),
+    /// Another try, `attempt`, after a wait in the delay queue of `step` (none: at once).
+    Retry {
+        attempt: u32,
+        step: Option<Duration>,
+    },
     Requeue,
 }
 
@@ -106,9 +116,9 @@ pub(super) async fn copy(
                 )
                 .await
         }
-        Copying::Retry(attempt) => {
+        Copying::Retry { attempt, step } => {
             receipt
-                .retry(&route.copies, &route.queues.queue, *attempt)
+                .retry(&route.copies, &route.queues.queue, *attempt, *step)
                 .await
         }
         Copying::Requeue => receipt.requeue(&route.copies, &route.queues.queue).await,
@@ -345,20 +355,33 @@ impl Receipt {
         kept
     }
 
-    /// Publishes a copy back to the pipeline's queue with `attempt` in its headers, waits for
-    /// the broker's confirm, then acks the original.
+    /// Publishes a copy with `attempt` in its headers back to the pipeline's `queue`, or,
+    /// after a wait of `step`, to the delay queue that returns it there; waits for the
+    /// broker's confirm, then acks the original.
     pub async fn retry(
         &self,
         channel: &CopyChannel,
         queue: &str,
         attempt: u32,
+        step: Option<Duration>,
     ) -> Result<bool, AmqpError> {
         let mut headers = self.properties.headers().clone().unwrap_or_default();
         headers.insert(
             ShortString::from(headers::ATTEMPT),
             AMQPValue::LongLongInt(i64::from(attempt)),
         );
-        self.put_back(channel, queue, headers).await
+        let Some(step) = step else {
+            return self.put_back(channel, queue, headers).await;
+        };
+        let waiting = delay::declare(&channel.channel, queue, step)
+            .await
+            .map_err(|error| AmqpError::Publish {
+                queue: delay::queue_name(queue, step),
+                reason: format!("cannot declare the delay queue: {error}"),
+            })?;
+        self.publish_copy(channel, &waiting, headers, CopyFor::Delay)
+            .await?;
+        Ok(self.ack().await)
     }
 
     /// Publishes a copy to `queue` with `headers`, waits for the broker's confirm, then acks

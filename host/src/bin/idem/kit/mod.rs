@@ -13,10 +13,12 @@ mod python;
 mod rust;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::Command;
 
 use anyhow::{Context, bail};
 use clap::ValueEnum;
+
+use crate::exit::Exit;
 
 /// The languages `idem new` writes and `idem build` builds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -90,7 +92,7 @@ const PIPELINE: &str = include_str!("../../../../templates/common/pipeline.toml"
 const README: &str = include_str!("../../../../templates/common/README.md");
 
 /// `idem new <language> <dir>`: writes a project named after the directory.
-pub fn new(language: Language, directory: &Path) -> anyhow::Result<ExitCode> {
+pub fn new(language: Language, directory: &Path) -> anyhow::Result<Exit> {
     let name = directory
         .file_name()
         .and_then(|name| name.to_str())
@@ -149,7 +151,7 @@ pub fn new(language: Language, directory: &Path) -> anyhow::Result<ExitCode> {
         "next: cd {} && idem build && idem test --plugin {name}.wasm --cases cases.json",
         directory.display()
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(Exit::Success)
 }
 
 fn valid_name(name: &str) -> bool {
@@ -162,7 +164,7 @@ fn valid_name(name: &str) -> bool {
 
 /// `idem build [dir] [--output file]`: builds the project in `directory` into `output`
 /// (default `<name>.wasm` beside the project's files).
-pub fn build(directory: &Path, output: Option<&Path>) -> anyhow::Result<ExitCode> {
+pub fn build(directory: &Path, output: Option<&Path>) -> anyhow::Result<Exit> {
     // Absolute: the toolchains run inside the project, and their output paths must not move.
     let directory = std::path::absolute(directory)
         .with_context(|| format!("cannot resolve {}", directory.display()))?;
@@ -187,7 +189,7 @@ pub fn build(directory: &Path, output: Option<&Path>) -> anyhow::Result<ExitCode
         kit.label(),
         started.elapsed().as_secs_f64()
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(Exit::Success)
 }
 
 /// A hidden file in the output's directory (so the final rename stays on one filesystem).
