@@ -53,10 +53,11 @@ pub mod triage;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::http::HttpError;
@@ -194,13 +195,33 @@ async fn serve(
         );
     }
     let refused = consume(&pipelines, token).await;
-    if let Some(http) = http {
-        let _ = http.await;
-    }
-    databases.close().await;
+    close(http, &databases).await;
     match refused {
         Some(error) => Err(error.into()),
         None => Ok(()),
+    }
+}
+
+/// How long closing the database pools may take at the end: a connection still busy (a
+/// query a pooler queues, a bookkeeping task between its tries) must not hold the exit;
+/// every transaction has committed or rolled back by then, so nothing depends on it.
+const CLOSE_WITHIN: Duration = Duration::from_secs(5);
+
+/// After every pipeline stopped: waits for the HTTP endpoint, then closes every database
+/// pool, giving up after [`CLOSE_WITHIN`] (the process exit closes what is left).
+async fn close(http: Option<tokio::task::JoinHandle<()>>, databases: &Databases) {
+    info!("Every pipeline stopped consuming; closing connections.");
+    if let Some(http) = http {
+        let _ = http.await;
+    }
+    if tokio::time::timeout(CLOSE_WITHIN, databases.close())
+        .await
+        .is_err()
+    {
+        warn!(
+            within = ?CLOSE_WITHIN,
+            "Database connections still busy; leaving them to close with the process."
+        );
     }
 }
 
@@ -209,15 +230,18 @@ async fn serve(
 async fn consume(pipelines: &[Arc<Pipeline>], token: &CancellationToken) -> Option<SourceError> {
     let mut consumers = JoinSet::new();
     for pipeline in pipelines {
-        consumers.spawn(pipeline::consume::consume_pipeline(
-            Arc::clone(pipeline),
-            token.clone(),
-        ));
+        let consuming = pipeline::consume::consume_pipeline(Arc::clone(pipeline), token.clone());
+        let name = pipeline.name().to_string();
+        consumers.spawn(async move { (name, consuming.await) });
     }
     info!(pipelines = pipelines.len(), "idem is running.");
     let mut refused = None;
     while let Some(ended) = consumers.join_next().await {
-        if let Ok(Err(error)) = ended {
+        let Ok((name, ended)) = ended else {
+            continue;
+        };
+        info!(pipeline = %name, "Pipeline stopped.");
+        if let Err(error) = ended {
             token.cancel();
             refused.get_or_insert(error);
         }

@@ -10,7 +10,8 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::stream;
 
-use idem_e2e::jetstream::TestStream;
+use idem_e2e::jetstream::{TestStream, nats_url};
+use idem_e2e::proxy::Proxy;
 use idem_e2e::{TestEnv, order, wait_for};
 
 use crate::jetstream::{config_text, parse};
@@ -254,6 +255,69 @@ async fn a_last_delivery_not_started_at_a_stop_is_dead_lettered() {
             "{headers:?}"
         );
     }
+    stream.cleanup().await;
+    env.cleanup().await;
+}
+
+/// A host stops in bounded time while its pull holds hundreds of messages and the server is
+/// slow to confirm (every answer 100 ms late, through a proxy): what it gives back goes out
+/// at once, and what it cannot give back within its bound the server delivers again after
+/// `ack_wait`. One at a time, the give-back of a full pull took minutes, past any drain
+/// timeout. Every order is applied once in the end, by a second host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_holding_a_full_pull_stops_in_time_against_a_slow_server() {
+    let env = TestEnv::new("js_slow_give_back").await;
+    // One message at a time, each 20 ms: the pull stays full.
+    env.slow_ledger("true", 0.02).await;
+    let stream = TestStream::new(&env.queue).await;
+    for order_id in 1..=1_200 {
+        stream
+            .publish(&order(order_id, order_id % 20, 100), None)
+            .await;
+    }
+    let server: std::net::SocketAddr = nats_url()
+        .trim_start_matches("nats://")
+        .parse()
+        .expect("the NATS address");
+    let proxy = Proxy::start(server).await;
+    let one_at_a_time = "[pipelines.loyalty.batch]\nsize = 1";
+    let text = config_text(
+        &env,
+        &stream,
+        "loyalty",
+        ", ack_wait = \"5s\"",
+        one_at_a_time,
+    )
+    .replace("workers = 8", "workers = 1")
+    .replace("prefetch = 64", "prefetch = 1000")
+    .replace(&nats_url(), &format!("nats://127.0.0.1:{}", proxy.port));
+    let host = env.start_host(parse(&text));
+    wait_for("orders applied", Duration::from_secs(60), || async {
+        env.count("SELECT count(*) FROM point_ledger").await >= 20
+    })
+    .await;
+    proxy.delay_answers(Duration::from_millis(100));
+    let started = std::time::Instant::now();
+    let stopped = tokio::time::timeout(Duration::from_secs(25), host.stop()).await;
+    assert!(
+        stopped.is_ok(),
+        "the host did not stop within 25 s of being asked"
+    );
+    eprintln!("stopped in {:?}", started.elapsed());
+    let applied = env.count("SELECT count(*) FROM point_ledger").await;
+    assert!(
+        applied < 1_200,
+        "every order was applied before the stop: nothing was tested"
+    );
+    let text = config_text(&env, &stream, "loyalty", ", ack_wait = \"5s\"", "");
+    let host = env.start_host(parse(&text));
+    wait_for("every order applied", Duration::from_secs(120), || async {
+        env.count("SELECT count(*) FROM point_ledger").await == 1_200
+    })
+    .await;
+    host.stop().await.expect("host stops cleanly");
+    env.assert_loyalty_consistent().await;
+    drop(proxy);
     stream.cleanup().await;
     env.cleanup().await;
 }

@@ -9,6 +9,7 @@ mod console;
 mod contracts;
 mod crash;
 mod databases;
+mod dba;
 mod dedup;
 mod exits;
 mod hostile;

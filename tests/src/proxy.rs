@@ -1,7 +1,8 @@
 //! A TCP proxy on 127.0.0.1 that cuts connections on purpose: all of them at once, or the one
 //! that sends `COMMIT`, after forwarding it, so the client never learns the outcome; or
 //! silences them: open connections stay open but carry nothing more, as when a failover
-//! moves an address or a NAT forgets a flow (half-open), while new connections work.
+//! moves an address or a NAT forgets a flow (half-open), while new connections work; or slows
+//! every answer down (a loaded or distant server).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,6 +28,8 @@ struct State {
     silence: watch::Sender<u64>,
     drop_next_commit: AtomicBool,
     commits_dropped: AtomicU64,
+    /// How long each chunk from the server waits before it is forwarded, in milliseconds.
+    delay_ms: AtomicU64,
 }
 
 impl Proxy {
@@ -42,6 +45,7 @@ impl Proxy {
             silence,
             drop_next_commit: AtomicBool::new(false),
             commits_dropped: AtomicU64::new(0),
+            delay_ms: AtomicU64::new(0),
         });
         let (stop, mut stopped) = watch::channel(());
         let accepting = Arc::clone(&state);
@@ -79,6 +83,14 @@ impl Proxy {
     /// closed before the server's answer can reach the client: the outcome is unknown to it.
     pub fn drop_next_commit(&self) {
         self.state.drop_next_commit.store(true, Ordering::SeqCst);
+    }
+
+    /// From now on every chunk the server sends waits `delay` before it reaches the client,
+    /// one chunk after another: each answer takes at least that long.
+    pub fn delay_answers(&self, delay: Duration) {
+        self.state
+            .delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
     }
 
     pub fn commits_dropped(&self) -> u64 {
@@ -126,6 +138,10 @@ async fn relay(client: TcpStream, state: Arc<State>, mut stopped: watch::Receive
             let read = server_read.read(&mut buffer).await.unwrap_or(0);
             if read == 0 || blackhole.load(Ordering::SeqCst) {
                 return;
+            }
+            let delay = state.delay_ms.load(Ordering::SeqCst);
+            if delay > 0 {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
             }
             if client_write.write_all(&buffer[..read]).await.is_err() {
                 return;

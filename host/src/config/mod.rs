@@ -84,7 +84,7 @@ pub enum ConfigError {
 #[serde(deny_unknown_fields)]
 #[schemars(
     title = "pipelines.toml",
-    description = "The idem host's configuration: where the database and the broker are, and one [pipelines.<name>] table per consumed queue or stream. Strings may use ${VAR} and ${VAR:-default}."
+    description = "The idem host's configuration: where the database and the broker are, and one [pipelines.<name>] table per consumed queue or stream. Strings may use ${VAR}, ${VAR:-default}, ${file:/path} (a file's content) and $${ (a literal ${)."
 )]
 struct PipelinesFile {
     /// PostgreSQL: the claims, the effects and the outbox live there.
@@ -156,9 +156,6 @@ impl Config {
             .traces
             .map(|table| TracesConfig::checked(table, &document))
             .transpose()?;
-        if file.pipelines.is_empty() {
-            return Err(document.invalid("no pipelines: add a [pipelines.<name>] table"));
-        }
         let pipelines = file
             .pipelines
             .into_iter()
@@ -176,6 +173,18 @@ impl Config {
             plugin_pool: file.plugin_pool.unwrap_or_default(),
             traces,
         })
+    }
+
+    /// A config `idem run` can serve: one with a pipeline (a database-only config serves
+    /// `idem migrate`, `cleanup` and `outbox`).
+    pub fn require_pipelines(&self) -> Result<(), ConfigError> {
+        if self.pipelines.is_empty() {
+            return Err(ConfigError::Invalid {
+                path: self.path.clone(),
+                message: "no pipelines: idem run needs a [pipelines.<name>] table".into(),
+            });
+        }
+        Ok(())
     }
 
     /// Every database: `[database]` (named `None`) first, then `[databases.<name>]` in name

@@ -401,6 +401,25 @@ fn errors_name_line_and_key() {
 }
 
 /// `[traces]`: absent is off; the endpoint and protocol as written.
+/// A config with only `[database]` loads (for `idem migrate`); `idem run` needs a pipeline.
+#[test]
+fn a_database_only_config_loads_and_is_not_runnable() {
+    let config = Config::from_toml(
+        Path::new("/etc/idem/db.toml"),
+        "[database]\nurl = \"postgres://db/orders\"\n",
+    )
+    .expect("a database-only config");
+    assert!(config.pipelines.is_empty());
+    let error = config
+        .require_pipelines()
+        .expect_err("not runnable")
+        .to_string();
+    assert!(
+        error.contains("/etc/idem/db.toml") && error.contains("no pipelines"),
+        "{error}"
+    );
+}
+
 /// The metrics listener may face the network without a token while `listen` stays on
 /// loopback.
 #[test]

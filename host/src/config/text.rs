@@ -79,35 +79,21 @@ fn line_of(text: &str, offset: usize) -> usize {
         + 1
 }
 
-/// Parses `30d`, `12h`, `90m`, `45s` or `250ms`.
+/// Parses a duration as humantime writes one: `30d`, `12h`, `90m`, `45s`, `250ms`, or
+/// several together (`1h30m`, `2m 30s`).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
-    let split = text
-        .find(|character: char| !character.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: u64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration like 30d, 12h, 90m, 45s or 250ms"))?;
-    let seconds = |factor: u64| Duration::from_secs(number.saturating_mul(factor));
-    match unit {
-        "d" => Ok(seconds(86_400)),
-        "h" => Ok(seconds(3_600)),
-        "m" => Ok(seconds(60)),
-        "s" => Ok(seconds(1)),
-        "ms" => Ok(Duration::from_millis(number)),
-        _ => Err(format!(
-            "{text:?} has no known unit: write 30d, 12h, 90m, 45s or 250ms"
-        )),
-    }
+    humantime::parse_duration(text).map_err(|error| {
+        format!("{text:?} is not a duration ({error}): write 30d, 12h, 90m, 45s, 250ms or 1h30m")
+    })
 }
 
 /// A duration as `pipelines.toml` writes it, for `idem schema`.
 pub(super) fn duration_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({
         "type": "string",
-        "pattern": "^\\s*[0-9]+(ms|s|m|h|d)\\s*$",
-        "examples": ["250ms", "30s", "5m", "12h", "30d"]
+        "pattern": "^\\s*([0-9]+\\s*[a-zA-Z]+\\s*)+$",
+        "examples": ["250ms", "30s", "5m", "1h30m", "30d"]
     })
 }
 
@@ -231,42 +217,77 @@ pub(super) fn interpolated_path<'de, D: Deserializer<'de>>(
     interpolated(deserializer).map(PathBuf::from)
 }
 
-/// Replaces `${NAME}` and `${NAME:-default}` with the variable's value.
-/// An unset variable without a default is an error; `$` not followed by `{` is kept.
+/// Replaces `${NAME}` and `${NAME:-default}` with the variable's value, `${file:PATH}` with
+/// the file's content (one trailing line break dropped: a secret mounted by Docker or
+/// Kubernetes), and `$${` with a literal `${`. An unset variable without a default, or a file
+/// that cannot be read, is an error (which never shows a value); `$` not followed by `{` is
+/// kept.
 fn expand_env(raw: &str, lookup: impl Fn(&str) -> Option<String>) -> Result<String, String> {
+    expand(raw, lookup, |path| {
+        std::fs::read_to_string(path).map_err(|error| error.to_string())
+    })
+}
+
+/// [`expand_env`] with the variables from `lookup` and the files from `read`.
+fn expand(
+    raw: &str,
+    lookup: impl Fn(&str) -> Option<String>,
+    read: impl Fn(&str) -> Result<String, String>,
+) -> Result<String, String> {
     let mut expanded = String::with_capacity(raw.len());
     let mut rest = raw;
     while let Some(start) = rest.find("${") {
+        if rest[..start].ends_with('$') {
+            // `$${`: a literal `${`.
+            expanded.push_str(&rest[..start - 1]);
+            expanded.push_str("${");
+            rest = &rest[start + 2..];
+            continue;
+        }
         expanded.push_str(&rest[..start]);
         let after = &rest[start + 2..];
         let end = after
             .find('}')
-            .ok_or_else(|| format!("unclosed \"${{\" in {raw:?}"))?;
+            .ok_or_else(|| format!("unclosed \"${{\" in {raw:?} (write $${{ for a literal ${{)"))?;
         let expression = &after[..end];
-        let (name, default) = match expression.split_once(":-") {
-            Some((name, default)) => (name, Some(default)),
-            None => (expression, None),
-        };
-        if name.is_empty()
-            || !name
-                .chars()
-                .all(|character| character.is_ascii_alphanumeric() || character == '_')
-        {
-            return Err(format!("invalid variable name {name:?} in {raw:?}"));
-        }
-        match (lookup(name).filter(|value| !value.is_empty()), default) {
-            (Some(value), _) => expanded.push_str(&value),
-            (None, Some(default)) => expanded.push_str(default),
-            (None, None) => {
-                return Err(format!(
-                    "environment variable {name} is not set and has no default (write ${{{name}:-default}})"
-                ));
-            }
+        if let Some(path) = expression.strip_prefix("file:") {
+            let content =
+                read(path).map_err(|error| format!("cannot read ${{file:{path}}}: {error}"))?;
+            let content = content.strip_suffix('\n').unwrap_or(&content);
+            expanded.push_str(content.strip_suffix('\r').unwrap_or(content));
+        } else {
+            expanded.push_str(&variable(expression, raw, &lookup)?);
         }
         rest = &after[end + 1..];
     }
     expanded.push_str(rest);
     Ok(expanded)
+}
+
+/// The value of `${expression}` (`NAME` or `NAME:-default`) in `raw`.
+fn variable(
+    expression: &str,
+    raw: &str,
+    lookup: &impl Fn(&str) -> Option<String>,
+) -> Result<String, String> {
+    let (name, default) = match expression.split_once(":-") {
+        Some((name, default)) => (name, Some(default)),
+        None => (expression, None),
+    };
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|character| character.is_ascii_alphanumeric() || character == '_')
+    {
+        return Err(format!("invalid variable name {name:?} in {raw:?}"));
+    }
+    match (lookup(name).filter(|value| !value.is_empty()), default) {
+        (Some(value), _) => Ok(value),
+        (None, Some(default)) => Ok(default.to_string()),
+        (None, None) => Err(format!(
+            "environment variable {name} is not set and has no default (write ${{{name}:-default}})"
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -314,9 +335,11 @@ mod tests {
         check_duration("45s", Ok(Duration::from_secs(45)));
         check_duration("250ms", Ok(Duration::from_millis(250)));
         check_duration("0s", Ok(Duration::ZERO));
-        check_duration("30", Err("no known unit"));
+        check_duration("1h30m", Ok(Duration::from_secs(90 * 60)));
+        check_duration("2m 30s", Ok(Duration::from_secs(150)));
+        check_duration("30", Err("not a duration"));
         check_duration("d", Err("not a duration"));
-        check_duration("3w", Err("no known unit"));
+        check_duration("3 parsecs", Err("not a duration"));
     }
 
     #[track_caller]
@@ -326,7 +349,12 @@ mod tests {
             "EMPTY" => Some(String::new()),
             _ => None,
         };
-        let actual = expand_env(raw, lookup);
+        let read = |path: &str| match path {
+            "/run/secrets/password" => Ok("s3cret\n".to_string()),
+            "/run/secrets/crlf" => Ok("two\r\n".to_string()),
+            _ => Err("No such file or directory (os error 2)".to_string()),
+        };
+        let actual = expand(raw, lookup, read);
         match expected {
             Ok(expected) => assert_eq!(actual.as_deref(), Ok(expected)),
             Err(fragment) => {
@@ -349,5 +377,14 @@ mod tests {
         check_expand("${UNSET}", Err("UNSET is not set"));
         check_expand("${SET", Err("unclosed"));
         check_expand("${bad name}", Err("invalid variable name"));
+        check_expand("pw=${file:/run/secrets/password}!", Ok("pw=s3cret!"));
+        check_expand("${file:/run/secrets/crlf}", Ok("two"));
+        check_expand(
+            "${file:/run/secrets/none}",
+            Err("cannot read ${file:/run/secrets/none}"),
+        );
+        check_expand("$${SET} and $${file:x}", Ok("${SET} and ${file:x}"));
+        check_expand("$$${SET}", Ok("$${SET}"));
+        check_expand("cost $$5", Ok("cost $$5"));
     }
 }

@@ -135,6 +135,9 @@ impl Report {
 async fn check(path: &Path, offline: bool, report: &mut Report) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     let runtime = PluginRuntime::for_config(&config)?;
+    if let Err(error) = config.require_pipelines() {
+        report.problem(error.to_string());
+    }
     if let Some(outbox) = &config.outbox
         && let Err(error) = idem_host::relay::http_clients(outbox)
     {

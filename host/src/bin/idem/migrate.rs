@@ -20,11 +20,19 @@ pub struct Args {
     /// configuration's claims, left behind by a changed `schema` or search path.
     #[arg(long)]
     new_installation: bool,
+    /// Change nothing: print the SQL it would run in each database (the steps not applied
+    /// yet, or every step when the database cannot be read), for a DBA to review and run.
+    #[arg(long)]
+    print: bool,
 }
 
 impl Args {
     pub async fn run(self) -> anyhow::Result<Exit> {
         let config = Config::load(&self.config.config)?;
+        if self.print {
+            print_scripts(&config).await;
+            return Ok(Exit::Success);
+        }
         for (_, database_config, prefix) in crate::lookup::each_database(&config) {
             let pool = database::connect_once(database_config).await?;
             let elsewhere = if self.new_installation {
@@ -55,5 +63,38 @@ impl Args {
             );
         }
         Ok(Exit::Success)
+    }
+}
+
+/// Prints, for each database, the script of the steps it lacks.
+async fn print_scripts(config: &Config) {
+    for (name, database_config) in config.all_databases() {
+        let tables = Tables::of(database_config);
+        let label = database::label(name);
+        let applied = match database::connect_once(database_config).await {
+            Ok(pool) => {
+                let applied = database::applied_versions(&pool, &tables).await;
+                pool.close().await;
+                applied.map_err(|error| error.to_string())
+            }
+            Err(error) => Err(error.to_string()),
+        };
+        let applied = match applied {
+            Ok(applied) => {
+                println!(
+                    "-- {label}: the steps not applied yet in {}",
+                    tables.place()
+                );
+                applied
+            }
+            Err(error) => {
+                println!(
+                    "-- {label}: every step, for {} (the database could not be read: {error})",
+                    tables.place()
+                );
+                Vec::new()
+            }
+        };
+        print!("{}", database::script(&tables, &applied));
     }
 }

@@ -30,6 +30,7 @@ impl Args {
         init_logs: impl FnOnce(Option<&TraceExport>),
     ) -> anyhow::Result<Exit> {
         let config = Config::load(&self.config.config)?;
+        config.require_pipelines()?;
         // The gRPC exporter's connection runs on the runtime.
         let traces = {
             let _runtime = runtime.enter();

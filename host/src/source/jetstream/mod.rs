@@ -128,6 +128,9 @@ impl Route {
 /// wait this long means there are no more.
 const GIVE_BACK_WAIT: Duration = Duration::from_millis(200);
 
+/// How long `give_back` may take in all: a stop or a fault's pause does not wait on it longer.
+const GIVE_BACK_WITHIN: Duration = Duration::from_secs(3);
+
 impl Session {
     /// Connects, makes sure the stream, the consumer and the dead-letter stream are there as
     /// configured, and starts pulling.
@@ -254,22 +257,33 @@ impl Source for Session {
     /// What the pull holds and has not handed out (a prefetch's worth at most, each waited
     /// for briefly): given back with a `Nak`, so another host takes it now rather than after
     /// `ack_wait` (either way one delivery is spent), and dead-lettered on its last delivery
-    /// (given back, it would be abandoned: `Delivery::requeue`).
+    /// (given back, it would be abandoned: `Delivery::requeue`). The settlements go out
+    /// together, and the whole is bounded by `GIVE_BACK_WITHIN`: a loaded server confirms
+    /// each slowly, and the pull goes on fetching while it is read. What is left is the
+    /// server's to deliver again after `ack_wait`.
     async fn give_back(&mut self) -> usize {
-        let mut given = 0;
-        for _ in 0..self.prefetch {
-            let Ok(Some(Ok(original))) =
-                tokio::time::timeout(GIVE_BACK_WAIT, self.messages.next()).await
-            else {
-                break;
-            };
-            if let Ok(received) = self.receive(original)
-                && received.give_back().await
-            {
-                given += 1;
+        let mut held = Vec::new();
+        let giving = async {
+            while held.len() < self.prefetch {
+                let Ok(Some(Ok(original))) =
+                    tokio::time::timeout(GIVE_BACK_WAIT, self.messages.next()).await
+                else {
+                    break;
+                };
+                if let Ok(received) = self.receive(original) {
+                    held.push(received);
+                }
+            }
+            let given = futures::future::join_all(held.iter().map(Received::give_back)).await;
+            given.into_iter().filter(|given| *given).count()
+        };
+        match tokio::time::timeout(GIVE_BACK_WITHIN, giving).await {
+            Ok(given) => given,
+            Err(_) => {
+                tracing::warn!(within = ?GIVE_BACK_WITHIN, "Not every prefetched message was given back in time; the server delivers the rest again after ack_wait.");
+                0
             }
         }
-        given
     }
 
     async fn close(self) {

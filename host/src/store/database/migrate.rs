@@ -130,10 +130,10 @@ pub async fn migrate(
 }
 
 /// The advisory lock key migrations take (`idem-migrate`).
-const MIGRATION_LOCK: i64 = 0x1de3_0000_0000_0002;
+pub(super) const MIGRATION_LOCK: i64 = 0x1de3_0000_0000_0002;
 
 /// idem's migration history: sqlx's columns, so the rows read the same as before.
-const CREATE_HISTORY: &str = "CREATE TABLE IF NOT EXISTS {history} (\
+pub(super) const CREATE_HISTORY: &str = "CREATE TABLE IF NOT EXISTS {history} (\
        version bigint PRIMARY KEY, description text NOT NULL, \
        installed_on timestamptz NOT NULL DEFAULT now(), success boolean NOT NULL, \
        checksum bytea NOT NULL, execution_time bigint NOT NULL)";

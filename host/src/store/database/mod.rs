@@ -23,11 +23,13 @@ use crate::tls::Verify;
 
 mod migrate;
 mod schema;
+mod script;
 #[cfg(test)]
 mod upgrades;
 
 pub use migrate::{Elsewhere, MIGRATOR, MigrateFailure, Migration, migrate, migrate_tables};
 pub use schema::check_schema;
+pub use script::{applied_versions, script};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatabaseError {
