@@ -2,24 +2,7 @@
 //! (`${file:…}`), `idem migrate --print`'s script run by hand, and `idem migrate` agreeing
 //! that nothing is left to do.
 
-use std::path::Path;
-use std::process::Command;
-
-use idem_e2e::{TestEnv, idem_binary};
-
-fn idem(args: &[&str], config: &Path) -> (i32, String, String) {
-    let output = Command::new(idem_binary())
-        .args(args)
-        .arg("--config")
-        .arg(config)
-        .output()
-        .expect("run idem");
-    (
-        output.status.code().expect("an exit status"),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
-}
+use idem_e2e::{TestEnv, idem_output};
 
 /// A config with only `[database]`, its URL read from a file with a trailing line break and
 /// idem's tables in a schema of their own: `idem migrate --print` prints every step, the
@@ -40,7 +23,7 @@ async fn a_dba_runs_the_printed_migrations_of_a_database_only_config() {
     )
     .expect("write config");
 
-    let (code, script, stderr) = idem(&["migrate", "--print"], &config);
+    let (code, script, stderr) = idem_output(&["migrate", "--print"], &config);
     assert_eq!(code, 0, "{stderr}");
     assert!(script.contains("the steps not applied yet"), "{script}");
     assert!(script.contains("CREATE SCHEMA IF NOT EXISTS"), "{script}");
@@ -60,17 +43,17 @@ async fn a_dba_runs_the_printed_migrations_of_a_database_only_config() {
         0
     );
 
-    let (code, again, stderr) = idem(&["migrate", "--print"], &config);
+    let (code, again, stderr) = idem_output(&["migrate", "--print"], &config);
     assert_eq!(code, 0, "{stderr}");
     assert!(again.contains("every step is applied already"), "{again}");
-    let (code, migrated, stderr) = idem(&["migrate"], &config);
+    let (code, migrated, stderr) = idem_output(&["migrate"], &config);
     assert_eq!(code, 0, "{stderr}");
     assert!(
         migrated.contains("migrations applied (0 new)"),
         "{migrated}"
     );
 
-    let (code, _, stderr) = idem(&["run"], &config);
+    let (code, _, stderr) = idem_output(&["run"], &config);
     assert_eq!(code, 3, "{stderr}");
     assert!(stderr.contains("no pipelines"), "{stderr}");
 

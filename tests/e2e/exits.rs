@@ -3,31 +3,15 @@
 //! `--format json` prints on stdout, an error's included.
 
 use std::path::Path;
-use std::process::Command;
 
-use idem_e2e::{TestEnv, free_port, idem_binary, order};
+use idem_e2e::{TestEnv, free_port, idem_output, order};
 use serde_json::Value;
-
-/// `idem <args>`: its exit status, stdout and stderr.
-fn idem(args: &[&str], config: &Path) -> (i32, String, String) {
-    let output = Command::new(idem_binary())
-        .args(args)
-        .arg("--config")
-        .arg(config)
-        .output()
-        .expect("run idem");
-    (
-        output.status.code().expect("an exit status"),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
-}
 
 /// `idem <args> --format json`: its exit status and the one JSON document on its stdout.
 fn idem_json(args: &[&str], config: &Path) -> (i32, Value) {
     let mut args = args.to_vec();
     args.extend(["--format", "json"]);
-    let (code, stdout, stderr) = idem(&args, config);
+    let (code, stdout, stderr) = idem_output(&args, config);
     let report = serde_json::from_str(&stdout)
         .unwrap_or_else(|error| panic!("idem {args:?}: not JSON ({error}): {stdout}{stderr}"));
     (code, report)
@@ -43,7 +27,7 @@ async fn status_exits_4_while_a_database_or_broker_is_out_of_reach() {
         env.publish(&order(order_id, 1, 1000)).await;
     }
     let migrated = env.write_config("loyalty", "");
-    let (code, _, stderr) = idem(&["migrate"], &migrated);
+    let (code, _, stderr) = idem_output(&["migrate"], &migrated);
     assert_eq!(code, 0, "{stderr}");
 
     let (code, report) = idem_json(&["status"], &migrated);
@@ -66,7 +50,7 @@ async fn status_exits_4_while_a_database_or_broker_is_out_of_reach() {
     assert_ne!(no_database, env.database_url, "the URL names port 5432");
     let path = std::env::temp_dir().join(format!("{}-no-db.toml", env.database));
     std::fs::write(&path, env.config_text_at(&no_database, "loyalty", "")).expect("write");
-    let (code, stdout, _) = idem(&["status"], &path);
+    let (code, stdout, _) = idem_output(&["status"], &path);
     assert_eq!(code, 4, "{stdout}");
     assert!(stdout.contains("unreachable"), "{stdout}");
     let (code, report) = idem_json(&["status"], &path);
@@ -96,7 +80,7 @@ async fn status_exits_4_while_a_database_or_broker_is_out_of_reach() {
 async fn check_exits_by_what_it_found() {
     let env = TestEnv::new("exit_check").await;
     let ready = env.write_config("loyalty", "");
-    let (code, _, stderr) = idem(&["migrate"], &ready);
+    let (code, _, stderr) = idem_output(&["migrate"], &ready);
     assert_eq!(code, 0, "{stderr}");
     let (code, report) = idem_json(&["check"], &ready);
     assert_eq!(code, 0, "{report}");
@@ -148,7 +132,7 @@ async fn check_exits_by_what_it_found() {
         "{report}"
     );
 
-    let (code, _, stderr) = idem(&["replay", "--pipeline", "nope"], &ready);
+    let (code, _, stderr) = idem_output(&["replay", "--pipeline", "nope"], &ready);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("no pipeline \"nope\""), "{stderr}");
 
@@ -163,7 +147,7 @@ async fn check_exits_by_what_it_found() {
 async fn test_replay_and_outbox_report_as_json() {
     let env = TestEnv::new("exit_json").await;
     let config = env.write_config("loyalty", "");
-    let (code, _, stderr) = idem(&["migrate"], &config);
+    let (code, _, stderr) = idem_output(&["migrate"], &config);
     assert_eq!(code, 0, "{stderr}");
 
     let cases = std::env::temp_dir().join(format!("{}-cases.json", env.database));

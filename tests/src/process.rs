@@ -95,6 +95,21 @@ pub fn must_run(command: &mut Command) -> String {
     text
 }
 
+/// Runs `idem <args> --config <config>`: its exit status, stdout and stderr.
+pub fn idem_output(args: &[&str], config: &Path) -> (i32, String, String) {
+    let output = Command::new(idem_binary())
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .expect("run idem");
+    (
+        output.status.code().expect("an exit status"),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
 /// Runs `idem <command> --config <path>`, which must succeed; returns its output.
 pub fn must_succeed(command: &str, path: &Path) -> String {
     must_run(
