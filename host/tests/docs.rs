@@ -9,17 +9,20 @@ fn repository() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The pages the checks read: the README, every page of `docs/`, the plugin guide.
+/// The pages the checks read: the README, every page of `docs/` and `docs/reference/`, the
+/// plugin guide.
 fn pages() -> Vec<PathBuf> {
     let root = repository();
     let mut pages = vec![root.join("README.md"), root.join("plugins/README.md")];
-    let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
-        .expect("docs/")
-        .map(|entry| entry.expect("a docs/ entry").path())
-        .filter(|path| path.extension().is_some_and(|extension| extension == "md"))
-        .collect();
-    docs.sort();
-    pages.extend(docs);
+    for folder in ["docs", "docs/reference"] {
+        let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join(folder))
+            .expect("a docs folder")
+            .map(|entry| entry.expect("a docs entry").path())
+            .filter(|path| path.extension().is_some_and(|extension| extension == "md"))
+            .collect();
+        docs.sort();
+        pages.extend(docs);
+    }
     pages
 }
 

@@ -19,6 +19,7 @@ mod outbox;
 mod output;
 mod partition;
 mod pause;
+mod reference;
 mod replay;
 mod run;
 mod schema;
@@ -80,6 +81,7 @@ enum Command {
     Status(status::Args),
     Wit(wit::Args),
     Schema(schema::Args),
+    Reference(reference::Args),
     Completions(completions::Args),
     New(new::Args),
     Build(build::Args),
@@ -186,6 +188,7 @@ async fn dispatch(command: Command) -> anyhow::Result<Exit> {
         Command::Status(args) => args.run().await,
         Command::Wit(args) => args.run(),
         Command::Schema(args) => args.run(),
+        Command::Reference(args) => args.run(),
         Command::Completions(args) => args.run(),
         Command::New(args) => args.run(),
         Command::Build(args) => args.run(),
