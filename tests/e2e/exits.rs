@@ -17,6 +17,14 @@ fn idem_json(args: &[&str], config: &Path) -> (i32, Value) {
     (code, report)
 }
 
+/// A port nobody listens on, and `env`'s database URL on it: PostgreSQL out of reach.
+fn out_of_reach(env: &TestEnv) -> (u16, String) {
+    let closed = free_port();
+    let no_database = env.database_url.replace(":5432/", &format!(":{closed}/"));
+    assert_ne!(no_database, env.database_url, "the URL names port 5432");
+    (closed, no_database)
+}
+
 /// Everything up: `idem status` exits 0 and reports the queue, the claims and the database
 /// as numbers. PostgreSQL out of reach: 4, the database unreachable in the report. RabbitMQ
 /// out of reach too: still 4, the queue's error in the report.
@@ -44,10 +52,7 @@ async fn status_exits_4_while_a_database_or_broker_is_out_of_reach() {
     assert_eq!(pipeline["claims"]["rows"], 0, "{report}");
     assert_eq!(report["databases"][0]["reachable"], true, "{report}");
 
-    // PostgreSQL on a port nobody listens on.
-    let closed = free_port();
-    let no_database = env.database_url.replace(":5432/", &format!(":{closed}/"));
-    assert_ne!(no_database, env.database_url, "the URL names port 5432");
+    let (closed, no_database) = out_of_reach(&env);
     let path = std::env::temp_dir().join(format!("{}-no-db.toml", env.database));
     std::fs::write(&path, env.config_text_at(&no_database, "loyalty", "")).expect("write");
     let (code, stdout, _) = idem_output(&["status"], &path);
@@ -109,8 +114,7 @@ async fn check_exits_by_what_it_found() {
         "{report}"
     );
 
-    let closed = free_port();
-    let no_database = env.database_url.replace(":5432/", &format!(":{closed}/"));
+    let (_, no_database) = out_of_reach(&env);
     std::fs::write(&path, env.config_text_at(&no_database, "loyalty", "")).expect("write");
     let (code, report) = idem_json(&["check"], &path);
     assert_eq!(code, 4, "{report}");

@@ -30,9 +30,16 @@ const STEP_RATIO: f64 = 1.25;
 /// How long an unused delay queue outlives its wait.
 const KEPT_UNUSED: Duration = Duration::from_secs(30 * 60);
 
+/// The step `wait` is spent in a delay queue of `queues`' for, or `None` when it is spent in
+/// the worker: idem declares no queue of `queues` (`declare = false`), or the wait is too
+/// short to be worth one. The one place that decides.
+pub(super) fn step_for(queues: &RabbitMqConfig, wait: Duration) -> Option<Duration> {
+    step(wait).filter(|_| queues.declare)
+}
+
 /// The wait on the grid for `wait`: the shortest step at least as long (at most a quarter
 /// longer); `None` when `wait` is too short to be worth a queue.
-pub(super) fn step(wait: Duration) -> Option<Duration> {
+fn step(wait: Duration) -> Option<Duration> {
     if wait < SHORTEST {
         return None;
     }
@@ -79,7 +86,7 @@ pub(super) async fn declare_first(
     pipeline: &PipelineConfig,
 ) -> Result<(), AmqpError> {
     let retries = pipeline.max_attempts.get() > 1;
-    let first = step(pipeline.retry.initial).filter(|_| retries && queues.declare);
+    let first = step_for(queues, pipeline.retry.initial).filter(|_| retries);
     let Some(step) = first else {
         return Ok(());
     };

@@ -64,7 +64,7 @@ impl Delivery for Received {
     /// Waits in a delay queue of idem's, off this worker (see `delay`); with `declare =
     /// false` idem declares nothing, so the wait is spent here, holding the worker.
     async fn retry(&self, attempt: u32, delay: Duration) -> bool {
-        let step = delay::step(delay).filter(|_| self.route.queues.declare);
+        let step = delay::step_for(&self.route.queues, delay);
         if step.is_none() {
             tokio::select! {
                 () = tokio::time::sleep(delay) => {}
